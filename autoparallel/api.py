@@ -1,0 +1,156 @@
+"""AutoParallel: orchestration of the pipeline stages (no algorithm lives here).
+
+    trace_joint -> build_strategy_space -> build_cost_tables -> build_problem
+        -> (user constraints) -> solve -> build_plan
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoparallel.cost.tables import build_cost_tables
+from autoparallel.solver.highs import SolverOptions
+from autoparallel.solver.optimizer import ShardingOptimizer, check_shard_dims, validate_placements
+from autoparallel.solver.plan import Plan
+from autoparallel.solver.problem import build_problem
+from autoparallel.strategies.space import build_strategy_space
+from autoparallel.topology import Hardware, Topology
+from autoparallel.trace import JointGraph, trace_device, trace_joint
+
+logger = logging.getLogger(__name__)
+
+
+class AutoParallel:
+    """Plan the parallelization of ``model`` on ``mesh``.
+
+    Use as a context manager: entering traces the model with the *global* inputs returned
+    by ``input_fn()`` and builds the optimization problem; then add constraints and call
+    :meth:`optimize_placement`::
+
+        with AutoParallel(model, input_fn, mesh) as autop:
+            autop.add_input_constraints([(Shard(0),)])
+            autop.add_parameter_memory_constraint()
+            plan = autop.optimize_placement(verbose=True)
+
+    Args:
+        model: the module to plan; parameters may live on the meta device (never materialized).
+        input_fn: returns the global example inputs: a tensor, a tuple, or a dict of kwargs.
+        mesh: the DeviceMesh to plan for (a fake process group is enough).
+        mp_policy: torch's MixedPrecisionPolicy; accepted, not yet modelled (a warning says so).
+        hardware: a preset name ("h100", "a100", "h200", "b200", "cpu") or a Hardware.
+        gpus_per_node: ranks per node, deciding which mesh dims are inter-node.
+        time_limit_s / relative_gap: solver controls.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_fn: Callable[[], Any],
+        mesh: DeviceMesh,
+        mp_policy: Any = None,
+        *,
+        hardware: str | Hardware | None = None,
+        gpus_per_node: int | None = None,
+        time_limit_s: float = 300.0,
+        relative_gap: float = 1e-4,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(input_fn):
+            raise TypeError(
+                f"input_fn must be a callable returning the global example inputs, got {type(input_fn).__name__}"
+            )
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+        self.model = model
+        self.input_fn = input_fn
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        self.topology = Topology.from_mesh(mesh, hardware=hardware, gpus_per_node=gpus_per_node)
+        self.solver_options = SolverOptions(time_limit_s=time_limit_s, relative_gap=relative_gap)
+        self.joint: JointGraph | None = None
+        self._optimizer: ShardingOptimizer | None = None
+        self.stage_times_s: dict[str, float] = {}
+        if mp_policy is not None:
+            logger.warning("mp_policy is accepted but not yet modelled: the plan prices the model's own dtypes")
+
+    # ------------------------------------------------------------------ context manager
+
+    def __enter__(self) -> "AutoParallel":
+        device = trace_device(self.mesh.device_type)
+        self.joint = self._timed("trace", lambda: trace_joint(self.model, self.input_fn, device))
+        space = self._timed("strategies", lambda: build_strategy_space(self.joint, self.mesh))
+        tables = self._timed("cost", lambda: build_cost_tables(self.joint, space, self.topology))
+        problem = self._timed("build", lambda: build_problem(self.joint, space, tables))
+        self._optimizer = ShardingOptimizer(problem, self.mesh.mesh_dim_names, self.solver_options)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def _timed(self, stage: str, work: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = work()
+        self.stage_times_s[stage] = time.perf_counter() - start
+        logger.info("%s: %.2f s", stage, self.stage_times_s[stage])
+        return result
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def sharding_optimizer(self) -> ShardingOptimizer:
+        if self._optimizer is None:
+            raise RuntimeError("enter the AutoParallel context first: `with AutoParallel(...) as autop:`")
+        return self._optimizer
+
+    def add_input_constraints(self, constraints: Sequence[Sequence | None]) -> list[str]:
+        """One placement tuple per user-input tensor leaf (None leaves that input free)."""
+        joint = self.sharding_optimizer.problem.joint
+        return self._add_boundary_constraints(constraints, joint.user_inputs, "input")
+
+    def add_output_constraints(self, constraints: Sequence[Sequence | None]) -> list[str]:
+        """One placement tuple per user-output tensor leaf (None leaves that output free).
+
+        A user output leaves the graph in the placement of its incoming gradient (tangent),
+        so the constraint is placed on the tangent when there is one.
+        """
+        joint = self.sharding_optimizer.problem.joint
+        nodes = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
+        return self._add_boundary_constraints(constraints, nodes, "output")
+
+    def add_parameter_memory_constraint(self, low: float | None = None, high: float | None = None) -> str:
+        """Bound parameter memory per device, in bytes (defaults push toward 1/world-size)."""
+        return self.sharding_optimizer.add_parameter_memory_constraint(low, high)
+
+    def optimize_placement(self, verbose: bool = False) -> Plan:
+        start = time.perf_counter()
+        plan = self.sharding_optimizer.resolve(verbose=verbose)
+        self.stage_times_s["solve"] = time.perf_counter() - start
+        return plan
+
+    def _add_boundary_constraints(self, constraints: Sequence, nodes: list, what: str) -> list[str]:
+        if not isinstance(constraints, (list, tuple)):
+            raise TypeError(f"{what} constraints must be a list with one placement tuple per {what} tensor")
+        if len(constraints) != len(nodes):
+            raise ValueError(
+                f"{len(constraints)} {what} constraints given but the model has {len(nodes)} {what} tensor(s); "
+                f"give one placement tuple (or None) per {what}"
+            )
+        mesh_ndim = self.mesh.ndim
+        checked = []
+        for index, (placements, node) in enumerate(zip(constraints, nodes)):
+            if placements is None:
+                continue
+            label = f"{what} {index}"
+            placements = validate_placements(placements, mesh_ndim, label)
+            if node is None:
+                raise ValueError(f"{label} is not a tensor produced by the graph and cannot be constrained")
+            check_shard_dims(placements, node.meta["val"].ndim, label)
+            checked.append((index, node, placements, label))
+        optimizer = self.sharding_optimizer
+        return [optimizer.add_placement_constraint(node, p, f"{what}:{i}", label) for i, node, p, label in checked]

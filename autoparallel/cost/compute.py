@@ -1,0 +1,147 @@
+"""Roofline estimate of one operator's run time on one rank.
+
+Cost = max(FLOPs / peak FLOP/s, bytes moved / HBM bandwidth), floored at the kernel launch
+overhead; view and metadata ops are free because they launch no kernel. Arguments arrive
+with every tensor already replaced by its LOCAL :class:`TensorInfo`, so sharding shows up
+here simply as smaller shapes.
+
+FLOPs come from ``torch.utils.flop_counter.flop_registry`` (keyed by overload packet). Its
+formulas only read ``.shape`` from tensors, so each ``TensorInfo`` is turned into a
+storage-less ``meta`` tensor, which serves both the shape-wrapped formulas and the few
+registered with ``get_raw=True``. Ops without a formula, or whose formula fails on these
+arguments, count 0 FLOPs and are priced as memory-bound; this function never raises for an
+unfamiliar op.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from autoparallel.shapes import TensorInfo
+from autoparallel.topology import Hardware
+
+__all__ = ["bytes_moved", "compute_cost_us", "flop_count", "is_free_op"]
+
+log = logging.getLogger(__name__)
+
+_US_PER_S = 1e6
+_aten = torch.ops.aten
+
+# Aten packets that only produce views or read metadata: no kernel, no data movement.
+# ``op.is_view`` catches the rest (and is what makes ``reshape``-style aliases free).
+_FREE_PACKET_NAMES = frozenset(
+    {
+        "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute",
+        "expand", "expand_as", "slice", "select", "squeeze", "unsqueeze", "alias", "split",
+        "split_with_sizes", "unbind", "as_strided", "detach", "view_as", "flatten",
+        "unflatten", "narrow", "chunk", "tensor_split", "movedim", "lift_fresh",
+        "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
+        "numel", "dim", "is_contiguous",
+    }
+)
+
+
+def is_free_op(op: Any) -> bool:
+    """True for view/metadata ops, which the cost model treats as costing nothing."""
+    if op is operator.getitem:  # FX tuple unpacking
+        return True
+    if getattr(op, "is_view", False):
+        return True
+    packet = getattr(op, "overloadpacket", None)
+    if packet is None or getattr(op, "namespace", None) != "aten":
+        return False
+    return getattr(packet, "__name__", "") in _FREE_PACKET_NAMES
+
+
+# ---------------------------------------------------------------- CPU SDPA formulas
+def _sdpa_forward_flops(query: TensorInfo, key: TensorInfo, value: TensorInfo) -> int:
+    """QK^T plus PV matmuls: 2*b*h*s_q*s_kv*(d_qk + d_v) (= 4*b*h*s_q*s_kv*d)."""
+    b, h, s_q, d_qk = query.shape
+    s_kv = key.shape[-2]
+    d_v = value.shape[-1]
+    return 2 * b * h * s_q * s_kv * (d_qk + d_v)
+
+
+def _cpu_flash_fwd(query: TensorInfo, key: TensorInfo, value: TensorInfo, *_: Any, **__: Any) -> int:
+    return _sdpa_forward_flops(query, key, value)
+
+
+def _cpu_flash_bwd(
+    grad_out: TensorInfo, query: TensorInfo, key: TensorInfo, value: TensorInfo, *_: Any, **__: Any
+) -> int:
+    # Backward recomputes the scores and runs four more matmuls: 5 vs 2 -> 2.5x forward.
+    return _sdpa_forward_flops(query, key, value) * 5 // 2
+
+
+# Formulas over TensorInfo, used only when flop_registry has none for the packet.
+_LOCAL_FORMULAS: dict[Any, Callable[..., int]] = {}
+for _name, _fn in (
+    ("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_fwd),
+    ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_bwd),
+):
+    if hasattr(_aten, _name):
+        _LOCAL_FORMULAS[getattr(_aten, _name)] = _fn
+
+
+# ---------------------------------------------------------------- FLOPs and bytes
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, TensorInfo):
+        return torch.empty(x.shape, dtype=x.dtype or torch.float32, device="meta")
+    return x
+
+
+def flop_count(op: Any, args: tuple, kwargs: dict, output: Any) -> int:
+    """FLOPs of ``op`` on the given (local ``TensorInfo``) arguments; 0 when unknown."""
+    packet = getattr(op, "overloadpacket", op)
+    try:
+        if packet in flop_registry:
+            meta_args, meta_kwargs, meta_out = tree_map(_to_meta, (tuple(args), dict(kwargs), output))
+            return int(flop_registry[packet](*meta_args, **meta_kwargs, out_val=meta_out))
+        if packet in _LOCAL_FORMULAS:
+            return int(_LOCAL_FORMULAS[packet](*args, **kwargs))
+    except Exception as exc:  # a formula that cannot handle these args: treat as memory-bound
+        log.debug("flop formula for %s failed (%s); pricing as memory-bound", op, exc)
+    return 0
+
+
+def _tensor_infos(tree: Any) -> list[TensorInfo]:
+    leaves, _ = tree_flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, TensorInfo)]
+
+
+def bytes_moved(args: tuple, kwargs: dict, output: Any) -> int:
+    """Bytes read (every tensor input) plus bytes written (every tensor output)."""
+    return sum(t.nbytes for t in _tensor_infos((args, kwargs, output)))
+
+
+def _math_dtype(args: tuple, kwargs: dict, output: Any) -> torch.dtype:
+    """The dtype that sets the FLOP rate: first floating input, else first output, else fp32."""
+    inputs = _tensor_infos((args, kwargs))
+    for info in inputs:
+        if info.dtype is not None and info.dtype.is_floating_point:
+            return info.dtype
+    for info in inputs + _tensor_infos(output):
+        if info.dtype is not None:
+            return info.dtype
+    return torch.float32
+
+
+def compute_cost_us(op: torch._ops.OpOverload, args: tuple, kwargs: dict, output: Any, hardware: Hardware) -> float:
+    """Roofline time (us) of ``op`` on one rank; 0.0 for views, else >= kernel launch.
+
+    ``args``/``kwargs``/``output`` are the node's pytrees with tensors replaced by LOCAL
+    ``TensorInfo``. Never raises for an unknown op: it is priced by the bytes it touches.
+    """
+    if is_free_op(op):
+        return 0.0
+    kwargs = kwargs or {}
+    flops = flop_count(op, args, kwargs, output)
+    compute_s = flops / hardware.peak_flops(_math_dtype(args, kwargs, output)) if flops else 0.0
+    memory_s = bytes_moved(args, kwargs, output) / hardware.memory_bandwidth
+    return max(max(compute_s, memory_s) * _US_PER_S, hardware.kernel_launch_us)

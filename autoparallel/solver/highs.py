@@ -1,0 +1,141 @@
+"""Stage 5: solve a Problem with HiGHS.
+
+Returns a :class:`Solution` (the chosen strategy per node and the solver's statistics) or
+raises :class:`InfeasibleConstraintsError` naming the smallest set of user constraints that
+cannot hold together, found by removing constraints one at a time (a deletion filter).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+import torch.fx as fx
+
+from autoparallel.solver.problem import Problem, Row
+
+logger = logging.getLogger(__name__)
+
+
+class InfeasibleConstraintsError(ValueError):
+    """The user's constraints cannot all hold; ``conflict`` names the ones in conflict."""
+
+    def __init__(self, conflict: list[str], descriptions: list[str]):
+        self.conflict = conflict
+        lines = "\n".join(f"  - {name}: {text}" for name, text in zip(conflict, descriptions))
+        super().__init__(
+            "no plan satisfies these constraints together:\n"
+            f"{lines}\nremove or change one of them (sharding_optimizer.remove_constraints([...]))"
+        )
+
+
+@dataclass
+class SolverStats:
+    status: str
+    objective: float
+    bound: float
+    gap: float
+    time_s: float
+    num_variables: int
+    num_constraints: int
+
+
+@dataclass
+class Solution:
+    choice: dict[fx.Node, int]
+    stats: SolverStats
+
+
+@dataclass
+class SolverOptions:
+    time_limit_s: float = 300.0
+    relative_gap: float = 1e-4
+    threads: int = 1
+
+
+def _all_rows(problem: Problem, constraint_names: list[str]) -> list[Row]:
+    rows = list(problem.rows)
+    for name in constraint_names:
+        rows.extend(problem.user_constraints[name].rows)
+    return rows
+
+
+def _to_highs(problem: Problem, rows: list[Row]) -> highspy.HighsLp:
+    lp = highspy.HighsLp()
+    num_cols = problem.num_variables
+    lp.num_col_ = num_cols
+    lp.num_row_ = len(rows)
+    lp.col_cost_ = problem.objective.astype(np.float64)
+    lp.col_lower_ = np.zeros(num_cols)
+    lp.col_upper_ = np.ones(num_cols)
+    lp.row_lower_ = np.array([r.lower for r in rows], dtype=np.float64)
+    lp.row_upper_ = np.array([r.upper for r in rows], dtype=np.float64)
+    starts = np.zeros(len(rows) + 1, dtype=np.int32)
+    starts[1:] = np.cumsum([len(r.columns) for r in rows])
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = starts
+    lp.a_matrix_.index_ = np.concatenate([r.columns for r in rows]).astype(np.int32) if rows else np.zeros(0, np.int32)
+    lp.a_matrix_.value_ = np.concatenate([r.values for r in rows]).astype(np.float64) if rows else np.zeros(0)
+    lp.integrality_ = [
+        highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous for flag in problem.integrality
+    ]
+    return lp
+
+
+def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) -> tuple[highspy.Highs, str, float]:
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("time_limit", float(options.time_limit_s))
+    highs.setOptionValue("mip_rel_gap", float(options.relative_gap))
+    highs.setOptionValue("threads", int(options.threads))
+    highs.passModel(_to_highs(problem, _all_rows(problem, constraint_names)))
+    start = time.perf_counter()
+    highs.run()
+    elapsed = time.perf_counter() - start
+    status = highs.modelStatusToString(highs.getModelStatus())
+    return highs, status, elapsed
+
+
+def _is_infeasible(status: str) -> bool:
+    return "infeasible" in status.lower()
+
+
+def solve(problem: Problem, options: SolverOptions | None = None) -> Solution:
+    options = options or SolverOptions()
+    names = list(problem.user_constraints)
+    highs, status, elapsed = _run(problem, names, options)
+    if _is_infeasible(status):
+        conflict = _minimal_conflict(problem, names, options)
+        raise InfeasibleConstraintsError(conflict, [problem.user_constraints[n].description for n in conflict])
+    info = highs.getInfo()
+    values = np.asarray(highs.getSolution().col_value)
+    if len(values) != problem.num_variables:
+        raise RuntimeError(f"HiGHS returned no solution (status: {status})")
+    if status.lower() not in ("optimal",):
+        logger.warning("solver stopped with status %r; using the best plan found (gap %.2f%%)", status, 100 * info.mip_gap)
+    choice = {node: int(np.argmax(values[columns])) for node, columns in problem.node_columns.items()}
+    stats = SolverStats(
+        status=status,
+        objective=float(info.objective_function_value),
+        bound=float(info.mip_dual_bound),
+        gap=float(info.mip_gap),
+        time_s=elapsed,
+        num_variables=problem.num_variables,
+        num_constraints=problem.num_constraints,
+    )
+    return Solution(choice=choice, stats=stats)
+
+
+def _minimal_conflict(problem: Problem, names: list[str], options: SolverOptions) -> list[str]:
+    """Deletion filter: drop each constraint whose removal keeps the problem infeasible."""
+    if _is_infeasible(_run(problem, [], options)[1]):
+        return ["<structural: no strategy combination is valid>"]
+    kept = list(names)
+    for name in names:
+        trial = [n for n in kept if n != name]
+        if _is_infeasible(_run(problem, trial, options)[1]):
+            kept = trial
+    return kept

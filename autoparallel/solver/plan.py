@@ -1,0 +1,135 @@
+"""The Plan: what the solver chose, in plain data keyed by node and parameter names.
+
+Every reader of a solution (the log, later explain/diff/save/load and the runtime) reads this
+one type. It holds names and placements, never live torch objects, so it can be kept and
+compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoparallel.solver.highs import Solution, SolverStats
+from autoparallel.solver.problem import Problem
+from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
+
+
+@dataclass(frozen=True)
+class ArgumentCost:
+    """How one input slot of a node is fed: producer placement -> required placement."""
+
+    producer: str
+    slot: int
+    kind: str  # "arg", "param_grad", "input_grad", "output"
+    src: OutputPlacements
+    dst: OutputPlacements
+    comm_us: float
+    transition_us: float
+
+    @property
+    def is_redistribution(self) -> bool:
+        return self.src != self.dst
+
+
+@dataclass
+class NodePlan:
+    name: str
+    target: str
+    shape: tuple[int, ...] | None
+    phase: str  # "placeholder", "forward" or "backward"
+    strategy: Strategy
+    compute_us: float
+    arguments: list[ArgumentCost] = field(default_factory=list)
+
+    @property
+    def comm_us(self) -> float:
+        return sum(a.comm_us for a in self.arguments)
+
+    @property
+    def transition_us(self) -> float:
+        return sum(a.transition_us for a in self.arguments)
+
+
+@dataclass(frozen=True)
+class CostTotals:
+    total_us: float
+    comm_us: float
+    compute_us: float
+    transition_us: float
+
+
+@dataclass
+class Plan:
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    nodes: dict[str, NodePlan]
+    param_placements: dict[str, Placements]
+    buffer_placements: dict[str, Placements]
+    input_placements: list[Placements]
+    output_placements: list[Placements | None]
+    totals: CostTotals
+    solver: SolverStats
+    fallbacks: list[str]
+
+    def redistributions(self) -> list[tuple[str, ArgumentCost]]:
+        """Every (consumer node name, argument) where a collective or local reshard happens."""
+        return [(name, arg) for name, node in self.nodes.items() for arg in node.arguments if arg.is_redistribution]
+
+
+def build_plan(problem: Problem, solution: Solution, mesh_dim_names: tuple[str, ...] | None) -> Plan:
+    joint, space, tables = problem.joint, problem.space, problem.tables
+    choice = solution.choice
+    nodes: dict[str, NodePlan] = {}
+    for node, ns in space.nodes.items():
+        value = node.meta.get("val")
+        phase = "placeholder" if node.op == "placeholder" else ("forward" if node in joint.forward_nodes else "backward")
+        nodes[node.name] = NodePlan(
+            name=node.name,
+            target=str(node.target) if node.op != "placeholder" else joint.placeholder_role(node),
+            shape=tuple(value.shape) if hasattr(value, "shape") else None,
+            phase=phase,
+            strategy=ns.strategies[choice[node]],
+            compute_us=tables.compute_us[node][choice[node]],
+        )
+    for edge in tables.edges:
+        src_index = edge.src_of_strategy[choice[edge.producer]]
+        dst_index = edge.dst_of_strategy[choice[edge.consumer]]
+        comm, transition = next(
+            ((c, t) for i, j, c, t in edge.pairs if i == src_index and j == dst_index), (float("nan"), 0.0)
+        )
+        nodes[edge.consumer.name].arguments.append(
+            ArgumentCost(
+                producer=edge.producer.name,
+                slot=edge.slot,
+                kind=edge.kind,
+                src=edge.src_options[src_index],
+                dst=edge.dst_options[dst_index],
+                comm_us=comm,
+                transition_us=transition,
+            )
+        )
+
+    def placement_of(node) -> Placements:
+        return nodes[node.name].strategy.output
+
+    output_placements: list[Placements | None] = []
+    for index, output in enumerate(joint.user_outputs):
+        tangent = joint.tangents.get(index)
+        source = tangent if tangent is not None else output
+        output_placements.append(placement_of(source) if source is not None else None)
+
+    compute = sum(n.compute_us for n in nodes.values())
+    comm = sum(n.comm_us for n in nodes.values())
+    transition = sum(n.transition_us for n in nodes.values())
+    return Plan(
+        mesh_shape=space.mesh_shape,
+        mesh_dim_names=mesh_dim_names,
+        nodes=nodes,
+        param_placements={name: placement_of(node) for name, node in joint.params.items()},
+        buffer_placements={name: placement_of(node) for name, node in joint.buffers.items()},
+        input_placements=[placement_of(node) for node in joint.user_inputs],
+        output_placements=output_placements,
+        totals=CostTotals(compute + comm + transition, comm, compute, transition),
+        solver=solution.stats,
+        fallbacks=list(space.fallbacks),
+    )

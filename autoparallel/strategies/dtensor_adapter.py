@@ -1,0 +1,146 @@
+"""Strategies taken from PyTorch DTensor's own per-op registry.
+
+DTensor's strategy functions take an OpSchema whose tensor arguments are ``OpStrategy``
+objects (the candidate placements of each input). We hand each input the distinct output
+placements of its producer, so ops whose strategies follow their inputs (pointwise, views)
+see every option the producer can offer. We keep DTensor's input/output placements and drop
+its redistribution costs: pricing is our cost model's job.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autoparallel import _torch_internals as internals
+from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
+
+logger = logging.getLogger(__name__)
+
+
+class NoDTensorStrategy(Exception):
+    """DTensor has no strategy for this op, or its strategy function rejected our schema."""
+
+
+def tensor_meta_of(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return internals.TensorMeta(value.shape, value.stride(), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return tuple(tensor_meta_of(v) for v in value)
+    return None
+
+
+def dtensor_strategies(
+    node: fx.Node,
+    mesh: DeviceMesh,
+    producer_options: dict[fx.Node, list[OutputPlacements]],
+) -> list[Strategy]:
+    """Strategies of ``node`` from DTensor's registry.
+
+    ``producer_options[p]`` lists the distinct output placements producer ``p`` may take.
+    Raises :class:`NoDTensorStrategy` if DTensor cannot answer for this node.
+    """
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload):
+        raise NoDTensorStrategy(f"{node.target} is not an ATen op")
+    output_meta = tensor_meta_of(node.meta.get("val"))
+    strategy_fn = internals.dtensor_strategy_function(op, mesh, output_meta)
+    if strategy_fn is None:
+        raise NoDTensorStrategy(f"DTensor has no sharding strategy registered for {op}")
+
+    single_dim = internals.has_single_dim_strategy(op)
+
+    def to_strategy(arg: Any) -> Any:
+        if not isinstance(arg, fx.Node):
+            return arg
+        meta = tensor_meta_of(arg.meta.get("val"))
+        candidates = [_representative(arg, mesh.ndim)] if single_dim else producer_options[arg]
+        specs = [
+            internals.OpSpec(internals.DTensorSpec(mesh, tuple(placements), tensor_meta=meta))
+            for placements in candidates
+        ]
+        return internals.OpStrategy(specs)
+
+    def wrap_lists(arg: Any) -> Any:
+        if isinstance(arg, (list, tuple)) and arg and all(isinstance(a, internals.OpStrategy) for a in arg):
+            return internals.TupleStrategy(list(arg))
+        return arg
+
+    args = tuple(wrap_lists(tree_map(to_strategy, a)) for a in node.args)
+    kwargs = {k: wrap_lists(tree_map(to_strategy, v)) for k, v in node.kwargs.items()}
+    schema = internals.OpSchema(op, args, kwargs, schema_info=internals.schema_info(op))
+    try:
+        op_strategy = strategy_fn(schema)
+    except Exception as error:  # DTensor rejects some schemas it was never written for.
+        raise NoDTensorStrategy(f"DTensor's strategy for {op} failed: {type(error).__name__}: {error}") from error
+    if not isinstance(op_strategy, internals.OpStrategy):
+        raise NoDTensorStrategy(f"DTensor's strategy for {op} is a {type(op_strategy).__name__}, not an OpStrategy")
+    num_inputs = len(_tensor_input_nodes(node))
+    converted = (_convert(spec, num_inputs) for spec in op_strategy.strategies)
+    return [s for s in converted if s is not None and _only_sum_partials(s)]
+
+
+def _only_sum_partials(strategy: Strategy) -> bool:
+    """Keep Partial(sum) only: max/min partials add options no producer of ours creates."""
+    return all(
+        not isinstance(p, Partial) or p.reduce_op == "sum"
+        for placements in strategy_placements(strategy)
+        for p in placements
+    )
+
+
+def _representative(node: fx.Node, mesh_ndim: int) -> tuple:
+    """A single input placement that makes DTensor expand its Shard placeholders."""
+    value = node.meta.get("val")
+    first = Shard(0) if isinstance(value, torch.Tensor) and value.ndim > 0 else Replicate()
+    return (first,) + (Replicate(),) * (mesh_ndim - 1)
+
+
+def _tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
+    leaves, _ = tree_flatten((node.args, node.kwargs))
+    return [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+
+
+def _placements_of(spec: Any) -> OutputPlacements | None:
+    if spec is None:
+        return None
+    if isinstance(spec, (tuple, list)):
+        return tuple(_placements_of(s) for s in spec)
+    return tuple(spec.placements)
+
+
+def _convert(spec: Any, num_inputs: int) -> Strategy | None:
+    output = _placements_of(spec.output_specs)
+    if spec.input_specs is None:
+        inputs: tuple[OutputPlacements, ...] = tuple(output for _ in range(num_inputs))
+    else:
+        inputs = tuple(_placements_of(s) for s in spec.input_specs)
+    if len(inputs) != num_inputs:
+        logger.debug("dropping a strategy with %d input specs for %d tensor inputs", len(inputs), num_inputs)
+        return None
+    return Strategy(output=output, inputs=inputs)
+
+
+def strategy_placements(strategy: Strategy) -> Sequence[Placements]:
+    """Every tensor placement a strategy mentions (outputs and inputs)."""
+    found: list[Placements] = []
+
+    def visit(p: Any) -> None:
+        if p is None:
+            return
+        if p and isinstance(p[0], tuple) or (p and p[0] is None):
+            for inner in p:
+                visit(inner)
+            return
+        found.append(p)
+
+    visit(strategy.output)
+    for inp in strategy.inputs:
+        visit(inp)
+    return found

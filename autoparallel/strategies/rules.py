@@ -1,0 +1,104 @@
+"""Our own strategy rules, for nodes DTensor's registry does not cover.
+
+Rules are written for ONE mesh dimension, as lists of placements ``[outputs..., inputs...]``,
+and expanded to the full mesh as their Cartesian product (every mesh dimension may pick any
+single-dim rule independently). The all-Replicate rule is always included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
+
+aten = torch.ops.aten
+
+SingleDimRule = list[Placement | None]
+
+
+def expand_single_dim_rules(
+    rules: Sequence[SingleDimRule], num_outputs: int, multi_output: bool, mesh_ndim: int
+) -> list[Strategy]:
+    """Cartesian product of single-mesh-dim rules over ``mesh_ndim`` dimensions."""
+    width = len(rules[0]) if rules else num_outputs
+    replicate: SingleDimRule = [Replicate()] * width
+    all_rules = [replicate] + [list(r) for r in rules if list(r) != replicate]
+    strategies = []
+    for combo in itertools.product(all_rules, repeat=mesh_ndim):
+        columns = [tuple(rule[i] for rule in combo) for i in range(width)]
+        columns = [None if any(p is None for p in col) else col for col in columns]
+        outputs, inputs = columns[:num_outputs], columns[num_outputs:]
+        output: OutputPlacements = tuple(outputs) if multi_output else outputs[0]
+        strategies.append(Strategy(output=output, inputs=tuple(inputs)))
+    return strategies
+
+
+def all_shard_replicate(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
+    """Every Shard/Replicate combination the shape allows (evenly divisible shards only)."""
+    choices: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    result = []
+    for combo in itertools.product(choices, repeat=len(mesh_shape)):
+        if evenly_divisible(combo, shape, mesh_shape):
+            result.append(tuple(combo))
+    return result
+
+
+def evenly_divisible(placements: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """True if every sharded tensor dim divides evenly by the mesh dims sharding it.
+
+    Uneven shards are valid DTensor, but the runtime keeps every rank's local shape equal,
+    so the planner only offers even ones.
+    """
+    ndim = len(shape)
+    divisor = [1] * ndim
+    for mesh_size, placement in zip(mesh_shape, placements):
+        if isinstance(placement, Shard):
+            if not -ndim <= placement.dim < ndim:
+                return False
+            divisor[placement.dim % ndim] *= mesh_size
+        elif type(placement).__name__ == "_StridedShard":
+            return False
+    return all(int(size) % div == 0 for size, div in zip(shape, divisor))
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def _attention_rules(num_outputs: int, num_inputs: int) -> list[SingleDimRule]:
+    """Attention is independent per batch element and per head: shard both on every tensor.
+
+    Every tensor of the CPU flash-attention ops is laid out [batch, heads, ...], logsumexp
+    included, so Shard(0) and Shard(1) apply uniformly.
+    """
+    return [[Shard(0)] * (num_outputs + num_inputs), [Shard(1)] * (num_outputs + num_inputs)]
+
+
+def sdpa_cpu_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """Rules for the CPU flash-attention forward and backward, which DTensor lacks.
+
+    Only the plain form is covered (no attention mask tensor): a mask would need its own
+    batch/head broadcasting rules.
+    """
+    tensor_inputs = [a for a in node.args if isinstance(a, fx.Node)]
+    mask = node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        return None
+    num_outputs = len(node.meta["val"])
+    return _attention_rules(num_outputs, len(tensor_inputs)), num_outputs
+
+
+OWN_RULES: dict[object, Callable[[fx.Node], tuple[list[SingleDimRule], int] | None]] = {}
+for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"):
+    _packet = getattr(aten, _name, None)
+    if _packet is not None:
+        OWN_RULES[_packet.default] = sdpa_cpu_rules
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

@@ -1,0 +1,167 @@
+"""Stage 2: the StrategySpace of a JointGraph.
+
+For each node, in graph order, the options come from the first source that answers:
+
+1. placeholders (parameters, buffers, user inputs, tangents): any Shard/Replicate combination
+   their shape allows;
+2. ``getitem`` on a multi-output node: one option per distinct output of the producer;
+3. our own rules (e.g. the CPU flash-attention ops that DTensor does not cover);
+4. DTensor's strategy registry;
+5. otherwise a replicate-only fallback, logged as a warning and recorded in
+   ``StrategySpace.fallbacks`` so the user can see which ops limited the plan.
+
+Options that shard a dimension unevenly (or use strided shards) are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Replicate
+from torch.utils._pytree import tree_flatten
+
+from autoparallel.strategies import rules
+from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_strategies
+from autoparallel.strategies.types import NodeStrategies, OutputPlacements, Strategy, StrategySpace, is_multi
+from autoparallel.trace import JointGraph
+
+logger = logging.getLogger(__name__)
+
+
+def build_strategy_space(joint: JointGraph, mesh: DeviceMesh) -> StrategySpace:
+    mesh_shape = tuple(mesh.shape)
+    space = StrategySpace(nodes={}, mesh_shape=mesh_shape)
+    options: dict[fx.Node, list[OutputPlacements]] = {}
+    for node in joint.graph.nodes:
+        if node.op == "output" or not _has_tensor_value(node):
+            continue
+        node_strategies = _strategies_for(node, mesh, mesh_shape, options, space)
+        space.nodes[node] = node_strategies
+        options[node] = node_strategies.output_placements()
+    logger.debug("strategy space: %d nodes, %d strategies", len(space.nodes), space.num_strategies)
+    return space
+
+
+def _has_tensor_value(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    leaves, _ = tree_flatten((node.args, node.kwargs))
+    return [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+
+
+def _strategies_for(
+    node: fx.Node,
+    mesh: DeviceMesh,
+    mesh_shape: tuple[int, ...],
+    options: dict[fx.Node, list[OutputPlacements]],
+    space: StrategySpace,
+) -> NodeStrategies:
+    value = node.meta["val"]
+    multi = not isinstance(value, torch.Tensor)
+    inputs = tensor_inputs(node)
+
+    if node.op == "placeholder":
+        placements = rules.all_shard_replicate(value.shape, mesh_shape)
+        return NodeStrategies(node, [], [Strategy(p, ()) for p in placements], "placeholder")
+
+    if rules.is_getitem(node):
+        producer, index = node.args
+        getitem_strategies = []
+        for out in options[producer]:
+            if out[index] is None:
+                continue
+            getitem_strategies.append(Strategy(out[index], (out,)))
+        return NodeStrategies(node, [producer], getitem_strategies, "getitem")
+
+    if not inputs:
+        return NodeStrategies(node, [], [_replicated(node, 0, multi, mesh_shape)], "factory", multi)
+
+    candidates, source = _candidates(node, mesh, mesh_shape, options, multi, len(inputs))
+    valid = [s for s in dict.fromkeys(candidates) if _is_valid(s, node, inputs, mesh_shape)]
+    if not valid:
+        reason = source if source.startswith("no ") else "every DTensor option shards a dimension unevenly"
+        valid = [_fallback(node, inputs, multi, mesh_shape, space, reason)]
+        source = "fallback"
+    return NodeStrategies(node, inputs, valid, source, multi)
+
+
+def _candidates(
+    node: fx.Node,
+    mesh: DeviceMesh,
+    mesh_shape: tuple[int, ...],
+    options: dict[fx.Node, list[OutputPlacements]],
+    multi: bool,
+    num_inputs: int,
+) -> tuple[list[Strategy], str]:
+    own_rule = rules.OWN_RULES.get(node.target)
+    if own_rule is not None:
+        found = own_rule(node)
+        if found is not None:
+            single_dim_rules, num_outputs = found
+            return rules.expand_single_dim_rules(single_dim_rules, num_outputs, multi, len(mesh_shape)), "rule"
+    try:
+        return dtensor_strategies(node, mesh, options), "dtensor"
+    except NoDTensorStrategy as error:
+        return [], f"no strategy: {error}"
+
+
+def _replicated(node: fx.Node, num_inputs: int, multi: bool, mesh_shape: tuple[int, ...]) -> Strategy:
+    replicate = tuple(Replicate() for _ in mesh_shape)
+    if multi:
+        output: OutputPlacements = tuple(
+            replicate if isinstance(v, torch.Tensor) else None for v in node.meta["val"]
+        )
+    else:
+        output = replicate
+    return Strategy(output, tuple(replicate for _ in range(num_inputs)))
+
+
+def _fallback(
+    node: fx.Node,
+    inputs: list[fx.Node],
+    multi: bool,
+    mesh_shape: tuple[int, ...],
+    space: StrategySpace,
+    reason: str,
+) -> Strategy:
+    strategy = _replicated(node, len(inputs), multi, mesh_shape)
+    # A multi-output producer's consumers are getitems expecting a tuple; inputs that are
+    # tuples themselves (rare) get the producer's replicated tuple.
+    strategy = Strategy(
+        strategy.output,
+        tuple(_replicated(inp, 0, is_multi_value(inp), mesh_shape).output for inp in inputs),
+    )
+    logger.warning("no sharding strategy for %s (%s): it runs replicated (%s)", node.name, node.target, reason)
+    space.fallbacks.append(f"{node.name}: {node.target}")
+    return strategy
+
+
+def is_multi_value(node: fx.Node) -> bool:
+    return not isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _is_valid(strategy: Strategy, node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ...]) -> bool:
+    if not _placements_fit(strategy.output, node.meta["val"], mesh_shape):
+        return False
+    return all(_placements_fit(p, inp.meta["val"], mesh_shape) for p, inp in zip(strategy.inputs, inputs))
+
+
+def _placements_fit(placements: Any, value: Any, mesh_shape: tuple[int, ...]) -> bool:
+    if placements is None:
+        return True
+    if isinstance(value, torch.Tensor):
+        if is_multi(placements):
+            return False
+        return rules.evenly_divisible(placements, value.shape, mesh_shape)
+    if not is_multi(placements) or len(placements) != len(value):
+        return False
+    return all(_placements_fit(p, v, mesh_shape) for p, v in zip(placements, value) if isinstance(v, torch.Tensor))

@@ -1,0 +1,100 @@
+"""Plain types of the strategy stage.
+
+A *strategy* of a node is one valid way to run it on the mesh: the placements each tensor
+input must arrive in and the placement(s) its output leaves in. Placements are tuples of
+DTensor placements in mesh-dimension order, e.g. ``(Shard(0), Replicate())``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+Placements = tuple[Placement, ...]
+# A node with several tensor outputs (e.g. attention returning (out, logsumexp)) has one
+# Placements per output; None where that output is not a tensor.
+OutputPlacements = Union[Placements, tuple[Union[Placements, None], ...]]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One option of a node: required placement per input slot -> produced placement."""
+
+    output: OutputPlacements
+    inputs: tuple[OutputPlacements, ...]
+
+
+@dataclass
+class NodeStrategies:
+    """All options of one node.
+
+    ``input_nodes[i]`` is the producer feeding input slot ``i``; the same producer may feed
+    several slots (``x * x``) and every slot is priced separately. ``source`` says where the
+    options came from: 'dtensor', 'placeholder', 'getitem', a rule name, or 'fallback'.
+    """
+
+    node: fx.Node
+    input_nodes: list[fx.Node]
+    strategies: list[Strategy]
+    source: str
+    multi_output: bool = False
+
+    def output_placements(self) -> list[OutputPlacements]:
+        """Distinct output placements over all strategies, in first-seen order."""
+        return list(dict.fromkeys(s.output for s in self.strategies))
+
+    def input_placements(self, slot: int) -> list[OutputPlacements]:
+        """Distinct placements required on input ``slot``, in first-seen order."""
+        return list(dict.fromkeys(s.inputs[slot] for s in self.strategies))
+
+
+@dataclass
+class StrategySpace:
+    """Strategies of every node that takes part in the plan, in graph order."""
+
+    nodes: dict[fx.Node, NodeStrategies]
+    mesh_shape: tuple[int, ...]
+    fallbacks: list[str] = field(default_factory=list)
+
+    def __getitem__(self, node: fx.Node) -> NodeStrategies:
+        return self.nodes[node]
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.nodes
+
+    @property
+    def num_strategies(self) -> int:
+        return sum(len(n.strategies) for n in self.nodes.values())
+
+
+def placement_str(placements: OutputPlacements | None) -> str:
+    """The seed's compact notation: ``S(0)R``, ``P(sum)``, tuples joined by ', '."""
+    if placements is None:
+        return "-"
+    if placements and isinstance(placements[0], tuple) or (placements and placements[0] is None):
+        return "(" + ", ".join(placement_str(p) for p in placements) + ")"
+    return "".join(_one(p) for p in placements)
+
+
+def _one(placement: Placement) -> str:
+    if isinstance(placement, Shard):
+        return f"S({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "R"
+    if isinstance(placement, Partial):
+        return f"P({placement.reduce_op})"
+    return str(placement)
+
+
+def is_multi(placements: OutputPlacements | None) -> bool:
+    return bool(placements) and (isinstance(placements[0], tuple) or placements[0] is None)
+
+
+def flat_placements(placements: Sequence) -> list[Placements]:
+    """The tensor placements inside an OutputPlacements, skipping None."""
+    if is_multi(placements):
+        return [p for p in placements if p is not None]
+    return [tuple(placements)]

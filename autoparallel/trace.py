@@ -1,0 +1,252 @@
+"""Stage 1: trace a model into one joint forward+backward ATen graph on fake tensors.
+
+The result, :class:`JointGraph`, is the FX graph plus the *roles* of its boundary: which
+placeholders are parameters, buffers, user inputs or tangents, and which outputs are user
+outputs, parameter gradients or input gradients. Every later stage reads roles from here
+instead of re-deriving them from node names.
+
+Parameters that live on the meta device are never materialized: the model is shallow-copied
+with each parameter and buffer replaced by a fake tensor of the same shape and dtype, so
+tracing a 70B model allocates nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from autoparallel import _torch_internals as internals
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class JointGraph:
+    """The traced joint graph and the roles of its inputs and outputs.
+
+    Attributes:
+        graph_module: joint forward+backward graph; every node's ``meta["val"]`` is a fake
+            tensor with the *global* shape.
+        params / buffers: fully-qualified name -> placeholder node.
+        user_inputs: placeholders of the flattened user inputs, in pytree-leaf order.
+        tangents: placeholder of the incoming gradient for each user output index.
+        user_outputs: node producing each flattened user output.
+        param_grads: parameter name -> node producing its gradient (missing if the parameter
+            gets no gradient).
+        input_grads: user-input index -> node producing its gradient.
+        forward_nodes: nodes of the forward pass (the rest of the call_function nodes are
+            backward); used by logs and later by folding, which must not mix the two.
+        in_spec / out_spec: pytree structure of the user's inputs ((args, kwargs)) and outputs.
+    """
+
+    graph_module: fx.GraphModule
+    fake_mode: Any
+    params: dict[str, fx.Node]
+    buffers: dict[str, fx.Node]
+    user_inputs: list[fx.Node]
+    tangents: dict[int, fx.Node]
+    user_outputs: list[fx.Node | None]
+    param_grads: dict[str, fx.Node]
+    input_grads: dict[int, fx.Node]
+    forward_nodes: set[fx.Node]
+    in_spec: TreeSpec
+    out_spec: TreeSpec
+    device: torch.device
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def placeholder_role(self, node: fx.Node) -> str:
+        """A short human word for a placeholder: 'param', 'buffer', 'input' or 'tangent'."""
+        return self._roles().get(node, "other")
+
+    def _roles(self) -> dict[fx.Node, str]:
+        roles: dict[fx.Node, str] = {}
+        roles.update({n: "param" for n in self.params.values()})
+        roles.update({n: "buffer" for n in self.buffers.values()})
+        roles.update({n: "input" for n in self.user_inputs})
+        roles.update({n: "tangent" for n in self.tangents.values()})
+        return roles
+
+    def param_name_of(self) -> dict[fx.Node, str]:
+        return {node: name for name, node in self.params.items()}
+
+
+def trace_device(mesh_device_type: str) -> torch.device:
+    """Device on which fake tensors are created for tracing.
+
+    We trace on the mesh's device type when this process can use it; otherwise (planning for
+    a CUDA cluster on a CPU-only laptop) on CPU. Placement decisions do not depend on it.
+    """
+    if mesh_device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh_device_type, None)
+    if module is not None and hasattr(module, "is_available") and module.is_available():
+        return torch.device(mesh_device_type)
+    logger.info("tracing on cpu: device type %r is not available in this process", mesh_device_type)
+    return torch.device("cpu")
+
+
+def _fake_copy_of_model(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Module:
+    """A structural copy of ``model`` whose parameters and buffers are fake tensors.
+
+    The copy shares no storage with the user's model and allocates none: the deep copy's
+    memo is pre-filled with fake replacements, so real or meta tensors are never copied.
+    """
+    memo: dict[int, Any] = {}
+    with fake_mode:
+        for param in model.parameters():
+            if id(param) in memo:
+                continue
+            fake = torch.empty(param.shape, dtype=param.dtype, device=device)
+            memo[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
+        for buffer in model.buffers():
+            if id(buffer) in memo:
+                continue
+            memo[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+    return copy.deepcopy(model, memo)
+
+
+def normalize_inputs(raw: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Turn what ``input_fn()`` returned into (args, kwargs).
+
+    A tensor becomes a 1-tuple; a tuple/list is positional args; a dict whose keys are
+    'args'/'kwargs' is split, any other dict is keyword arguments.
+    """
+    if isinstance(raw, torch.Tensor):
+        return (raw,), {}
+    if isinstance(raw, (tuple, list)):
+        return tuple(raw), {}
+    if isinstance(raw, dict):
+        if set(raw) <= {"args", "kwargs"}:
+            return tuple(raw.get("args", ())), dict(raw.get("kwargs", {}))
+        return (), dict(raw)
+    raise TypeError(
+        f"input_fn() must return a tensor, a tuple/list of inputs or a dict of keyword inputs; "
+        f"got {type(raw).__name__}"
+    )
+
+
+def _fake_inputs(args: tuple, kwargs: dict, fake_mode: Any, device: torch.device) -> tuple[tuple, dict]:
+    leaves, spec = tree_flatten((args, kwargs))
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise TypeError("input_fn() returned no tensor: the model needs at least one tensor input")
+    fake_leaves = []
+    with fake_mode:
+        for index, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"input leaf {index} returned by input_fn() is a {type(leaf).__name__}, "
+                    "not a tensor; pass non-tensor settings through the model's constructor"
+                )
+            fake = torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
+            fake.requires_grad_(leaf.requires_grad)
+            fake_leaves.append(fake)
+    return spec.unflatten(fake_leaves)
+
+
+def trace_joint(
+    model: nn.Module,
+    input_fn: Callable[[], Any],
+    device: torch.device,
+) -> JointGraph:
+    """Trace ``model`` on the global inputs of ``input_fn`` into a :class:`JointGraph`."""
+    fake_mode = internals.new_fake_mode()
+    with fake_mode:
+        raw_inputs = input_fn()
+    args, kwargs = normalize_inputs(raw_inputs)
+    fake_args, fake_kwargs = _fake_inputs(args, kwargs, fake_mode, device)
+    fake_model = _fake_copy_of_model(model, fake_mode, device)
+
+    # The export's contexts only matter for compiling the graph; we read it and close them.
+    with contextlib.ExitStack() as stack:
+        export = internals.export_joint(stack, fake_model, fake_args, fake_kwargs)
+    graph_module = export.graph_module
+    _, in_spec = tree_flatten((args, kwargs))
+    return _assign_roles(graph_module, fake_mode, in_spec, export.out_spec, device)
+
+
+def _assign_roles(
+    graph_module: fx.GraphModule,
+    fake_mode: Any,
+    in_spec: TreeSpec,
+    out_spec: TreeSpec,
+    device: torch.device,
+) -> JointGraph:
+    params: dict[str, fx.Node] = {}
+    buffers: dict[str, fx.Node] = {}
+    inputs_by_index: dict[int, fx.Node] = {}
+    tangent_nodes: list[tuple[Any, fx.Node]] = []
+    for node in graph_module.graph.find_nodes(op="placeholder"):
+        kind, key = internals.describe_input(node.meta.get("desc"))
+        if kind == "param":
+            params[key] = node
+        elif kind == "buffer":
+            buffers[key] = node
+        elif kind == "input":
+            inputs_by_index[key] = node
+        elif kind == "tangent":
+            tangent_nodes.append((key, node))
+        else:
+            raise NotImplementedError(f"unsupported graph input {node.name} ({node.meta.get('desc')!r})")
+
+    output_node = graph_module.graph.output_node()
+    user_outputs: dict[int, fx.Node | None] = {}
+    param_grads: dict[str, fx.Node] = {}
+    input_grads: dict[int, fx.Node] = {}
+    for value, desc in zip(output_node.args[0], output_node.meta.get("desc", [])):
+        kind, key = internals.describe_output(desc)
+        if kind == "output":
+            user_outputs[key] = value
+        elif kind == "grad" and value is not None:
+            grad_kind, grad_key = key
+            (param_grads if grad_kind == "param" else input_grads)[grad_key] = value
+
+    tangents: dict[int, fx.Node] = {}
+    for output_desc, node in tangent_nodes:
+        kind, index = internals.describe_output(output_desc)
+        tangents[index] = node
+
+    joint = JointGraph(
+        graph_module=graph_module,
+        fake_mode=fake_mode,
+        params=params,
+        buffers=buffers,
+        user_inputs=[inputs_by_index[i] for i in sorted(inputs_by_index)],
+        tangents=tangents,
+        user_outputs=[user_outputs.get(i) for i in range(len(user_outputs))],
+        param_grads=param_grads,
+        input_grads=input_grads,
+        forward_nodes=_forward_nodes(graph_module.graph, tangents.values()),
+        in_spec=in_spec,
+        out_spec=out_spec,
+        device=device,
+    )
+    logger.debug(
+        "traced joint graph: %d nodes, %d params, %d buffers, %d inputs, %d outputs",
+        len(graph_module.graph.nodes), len(params), len(buffers), len(joint.user_inputs), len(joint.user_outputs),
+    )
+    return joint
+
+
+def _forward_nodes(graph: fx.Graph, tangents: Any) -> set[fx.Node]:
+    """Nodes that do not depend on any tangent: the forward pass."""
+    backward: set[fx.Node] = set(tangents)
+    forward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if any(inp in backward for inp in node.all_input_nodes):
+            backward.add(node)
+        else:
+            forward.add(node)
+    return forward
