@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -45,6 +45,8 @@ class JointGraph:
         forward_nodes: nodes of the forward pass (the rest of the call_function nodes are
             backward); used by logs and later by folding, which must not mix the two.
         in_spec / out_spec: pytree structure of the user's inputs ((args, kwargs)) and outputs.
+        tied_params: groups of parameter names that are one tensor (tied embeddings); the
+            graph has a placeholder per name, and the plan must give them one placement.
     """
 
     graph_module: fx.GraphModule
@@ -60,6 +62,7 @@ class JointGraph:
     in_spec: TreeSpec
     out_spec: TreeSpec
     device: torch.device
+    tied_params: list[list[str]] = field(default_factory=list)
 
     @property
     def graph(self) -> fx.Graph:
@@ -172,7 +175,16 @@ def trace_joint(
         export = internals.export_joint(stack, fake_model, fake_args, fake_kwargs)
     graph_module = export.graph_module
     _, in_spec = tree_flatten((args, kwargs))
-    return _assign_roles(graph_module, fake_mode, in_spec, export.out_spec, device)
+    joint = _assign_roles(graph_module, fake_mode, in_spec, export.out_spec, device)
+    joint.tied_params = _tied_parameter_groups(model)
+    return joint
+
+
+def _tied_parameter_groups(model: nn.Module) -> list[list[str]]:
+    names_by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_tensor.setdefault(id(param), []).append(name)
+    return [names for names in names_by_tensor.values() if len(names) > 1]
 
 
 def _assign_roles(

@@ -32,9 +32,10 @@ class ShardingOptimizer:
     def add_node_constraint(self, node: fx.Node | str, placement: Sequence, name: str | None = None) -> list[str]:
         """Force a node's output placement; returns the names of the constraints added."""
         node = self._node(node)
-        placements = validate_placements(placement, len(self.problem.space.mesh_shape), f"node {node.name}")
+        what = self._describe(node)
+        placements = validate_placements(placement, len(self.problem.space.mesh_shape), what)
         name = name or f"node:{node.name}"
-        constraint = self.problem.placement_constraint(name, node, placements, f"node {node.name}")
+        constraint = self.problem.placement_constraint(name, node, placements, what)
         self.problem.add_constraint(constraint)
         return [name]
 
@@ -67,6 +68,16 @@ class ShardingOptimizer:
         if self._plan is None:
             raise RuntimeError("no solution yet: call optimize_placement() (or resolve()) first")
         return self._plan
+
+    def _describe(self, node: fx.Node) -> str:
+        """A user's name for a node: parameters by their fully-qualified name."""
+        joint = self.problem.joint
+        for fqn, param in joint.params.items():
+            if param is node:
+                return f"parameter {fqn} ({node.name})"
+        if node in joint.user_inputs:
+            return f"input {joint.user_inputs.index(node)} ({node.name})"
+        return f"node {node.name} ({node.target})"
 
     def _node(self, node: fx.Node | str) -> fx.Node:
         if isinstance(node, fx.Node):

@@ -106,7 +106,7 @@ class Problem:
         """(columns, local bytes) of every parameter strategy: per-device parameter memory."""
         columns, values = [], []
         mesh_shape = self.space.mesh_shape
-        for node in self.joint.params.values():
+        for node in self._distinct_param_nodes():
             value = node.meta["val"]
             itemsize = value.element_size()
             for column, strategy in zip(self.node_columns[node], self.space[node].strategies):
@@ -115,11 +115,16 @@ class Problem:
                 values.append(float(numel * itemsize))
         return np.array(columns, dtype=np.int64), np.array(values)
 
+    def _distinct_param_nodes(self) -> list[fx.Node]:
+        """One placeholder per parameter tensor: tied names count once in memory."""
+        duplicates = {name for group in self.joint.tied_params for name in group[1:]}
+        return [node for name, node in self.joint.params.items() if name not in duplicates]
+
     def parameter_memory_range(self) -> tuple[float, float, float]:
         """(fully replicated, smallest achievable, 1/world-size) per-device parameter bytes."""
         columns, values = self.parameter_bytes()
         replicated = smallest = 0.0
-        for node in self.joint.params.values():
+        for node in self._distinct_param_nodes():
             node_values = values[np.isin(columns, self.node_columns[node])]
             replicated += float(node_values.max()) if len(node_values) else 0.0
             smallest += float(node_values.min()) if len(node_values) else 0.0
@@ -140,12 +145,27 @@ class Problem:
         lower = 0.0 if low is None else float(low)
         if lower > upper:
             raise ValueError(f"parameter memory constraint has low={lower:.0f} B > high={upper:.0f} B")
-        row = Row(columns, values / MIB, lower / MIB, upper / MIB)
+        rows = [Row(columns, values / MIB, lower / MIB, upper / MIB)]
+        if upper <= smallest * (1 + 1e-6) + 1.0:
+            rows.extend(self._smallest_memory_rows(columns, values))
         description = (
             f"parameter memory per device in [{lower / MIB:.2f}, {upper / MIB:.2f}] MiB "
             f"(replicated {replicated / MIB:.2f} MiB, smallest possible {smallest / MIB:.2f} MiB)"
         )
-        return UserConstraint(name, description, [row])
+        return UserConstraint(name, description, rows)
+
+    def _smallest_memory_rows(self, columns: np.ndarray, values: np.ndarray) -> list[Row]:
+        """When the bound equals the smallest achievable memory, every parameter must be at
+        its own minimum. Saying so per parameter is the same constraint, but it spares the
+        solver a knapsack row whose LP relaxation is weak (a 3-D mesh otherwise times out)."""
+        rows = []
+        for node in self._distinct_param_nodes():
+            mask = np.isin(columns, self.node_columns[node])
+            node_values = values[mask]
+            wasteful = columns[mask][node_values > node_values.min() * (1 + 1e-9)]
+            if len(wasteful):
+                rows.append(Row(wasteful, np.ones(len(wasteful)), 0.0, 0.0))
+        return rows
 
 
 def build_problem(joint: JointGraph, space: StrategySpace, tables: CostTables) -> Problem:
@@ -171,6 +191,11 @@ def build_problem(joint: JointGraph, space: StrategySpace, tables: CostTables) -
         edge_columns.append(columns)
         rows.extend(_marginal_rows(edge, columns, node_columns))
 
+    for group in joint.tied_params:
+        nodes = [joint.params[name] for name in group if name in joint.params]
+        for other in nodes[1:]:
+            rows.extend(_same_placement_rows(space, node_columns, nodes[0], other))
+
     problem = Problem(
         joint=joint,
         space=space,
@@ -183,6 +208,20 @@ def build_problem(joint: JointGraph, space: StrategySpace, tables: CostTables) -
     )
     logger.debug("problem: %d variables, %d constraints", problem.num_variables, problem.num_constraints)
     return problem
+
+
+def _same_placement_rows(
+    space: StrategySpace, node_columns: dict[fx.Node, np.ndarray], first: fx.Node, second: fx.Node
+) -> list[Row]:
+    """Two placeholders of one tied parameter take the same placement."""
+    rows = []
+    for placements in space[first].output_placements():
+        first_cols = [c for c, s in zip(node_columns[first], space[first].strategies) if s.output == placements]
+        second_cols = [c for c, s in zip(node_columns[second], space[second].strategies) if s.output == placements]
+        columns = np.array(first_cols + second_cols, dtype=np.int64)
+        values = np.concatenate([np.ones(len(first_cols)), -np.ones(len(second_cols))])
+        rows.append(Row(columns, values, 0.0, 0.0))
+    return rows
 
 
 def _marginal_rows(edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray]) -> list[Row]:

@@ -9,6 +9,7 @@ its redistribution costs: pricing is our cost model's job.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Sequence
 
@@ -55,15 +56,39 @@ def dtensor_strategies(
         raise NoDTensorStrategy(f"DTensor has no sharding strategy registered for {op}")
 
     single_dim = internals.has_single_dim_strategy(op)
+    if single_dim:
+        candidates = {n: [_representative(n, mesh.ndim)] for n in _tensor_input_nodes(node)}
+        op_strategy = _call(strategy_fn, node, mesh, candidates)
+    else:
+        op_strategy = _call_per_option(strategy_fn, node, mesh, producer_options)
+    num_inputs = len(_tensor_input_nodes(node))
+    converted = (_convert(spec, num_inputs) for spec in op_strategy)
+    return [s for s in converted if s is not None and _only_sum_partials(s)]
+
+
+def _only_sum_partials(strategy: Strategy) -> bool:
+    """Keep Partial(sum) only: max/min partials add options no producer of ours creates."""
+    return all(
+        not isinstance(p, Partial) or p.reduce_op == "sum"
+        for placements in strategy_placements(strategy)
+        for p in placements
+    )
+
+
+MAX_OPTION_COMBINATIONS = 256
+
+
+def _call(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]) -> list:
+    """Run a DTensor strategy function with ``candidates[n]`` as the options of input ``n``."""
+    op = node.target
 
     def to_strategy(arg: Any) -> Any:
         if not isinstance(arg, fx.Node):
             return arg
         meta = tensor_meta_of(arg.meta.get("val"))
-        candidates = [_representative(arg, mesh.ndim)] if single_dim else producer_options[arg]
         specs = [
             internals.OpSpec(internals.DTensorSpec(mesh, tuple(placements), tensor_meta=meta))
-            for placements in candidates
+            for placements in candidates[arg]
         ]
         return internals.OpStrategy(specs)
 
@@ -81,18 +106,35 @@ def dtensor_strategies(
         raise NoDTensorStrategy(f"DTensor's strategy for {op} failed: {type(error).__name__}: {error}") from error
     if not isinstance(op_strategy, internals.OpStrategy):
         raise NoDTensorStrategy(f"DTensor's strategy for {op} is a {type(op_strategy).__name__}, not an OpStrategy")
-    num_inputs = len(_tensor_input_nodes(node))
-    converted = (_convert(spec, num_inputs) for spec in op_strategy.strategies)
-    return [s for s in converted if s is not None and _only_sum_partials(s)]
+    return list(op_strategy.strategies)
 
 
-def _only_sum_partials(strategy: Strategy) -> bool:
-    """Keep Partial(sum) only: max/min partials add options no producer of ours creates."""
-    return all(
-        not isinstance(p, Partial) or p.reduce_op == "sum"
-        for placements in strategy_placements(strategy)
-        for p in placements
-    )
+def _call_per_option(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, producer_options: dict) -> list:
+    """Strategies for all producer options at once, or option by option if DTensor refuses.
+
+    Strategy functions that follow their input (views, reductions) raise for a single input
+    option they cannot handle (e.g. a view that would split an unevenly sharded dim); asking
+    per option keeps every option that works.
+    """
+    inputs = list(dict.fromkeys(_tensor_input_nodes(node)))
+    candidates = {n: producer_options[n] for n in inputs}
+    try:
+        return _call(strategy_fn, node, mesh, candidates)
+    except NoDTensorStrategy as first_error:
+        combinations = 1
+        for n in inputs:
+            combinations *= len(candidates[n])
+        if combinations > MAX_OPTION_COMBINATIONS:
+            raise
+        found: list = []
+        for combo in itertools.product(*(candidates[n] for n in inputs)):
+            try:
+                found.extend(_call(strategy_fn, node, mesh, {n: [p] for n, p in zip(inputs, combo)}))
+            except NoDTensorStrategy:
+                continue
+        if not found:
+            raise first_error
+        return found
 
 
 def _representative(node: fx.Node, mesh_ndim: int) -> tuple:

@@ -1,0 +1,47 @@
+"""Small helpers for planner tests: plan a model and read the plan's redistributions."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoparallel import AutoParallel
+from autoparallel.solver.plan import Plan
+
+
+def batch_sharded(mesh_ndim: int) -> tuple:
+    return (Shard(0),) + (Replicate(),) * (mesh_ndim - 1)
+
+
+def plan_model(
+    model: torch.nn.Module,
+    input_fn: Callable,
+    mesh,
+    inputs: Sequence | None = None,
+    outputs: Sequence | None = None,
+    memory: bool = False,
+) -> Plan:
+    with AutoParallel(model, input_fn, mesh) as autop:
+        if inputs is not None:
+            autop.add_input_constraints(list(inputs))
+        if outputs is not None:
+            autop.add_output_constraints(list(outputs))
+        if memory:
+            autop.add_parameter_memory_constraint()
+        return autop.optimize_placement()
+
+
+def transitions(plan: Plan, src_kind, dst_kind, mesh_dim: int = 0, phase: str | None = None):
+    """Redistributions that change mesh dim ``mesh_dim`` from a src_kind to a dst_kind placement."""
+    found = []
+    for consumer, arg in plan.redistributions():
+        src, dst = arg.src[mesh_dim], arg.dst[mesh_dim]
+        if isinstance(src, src_kind) and isinstance(dst, dst_kind) and src != dst:
+            if phase is None or plan.nodes[consumer].phase == phase or arg.kind == "param_grad":
+                found.append((consumer, arg))
+    return found
+
+
+__all__ = ["Partial", "Replicate", "Shard", "batch_sharded", "plan_model", "transitions"]
