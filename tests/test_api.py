@@ -102,3 +102,23 @@ def test_input_fn_may_return_kwargs(fake_mesh):
         autop.add_input_constraints([(Shard(0),), (Shard(0),)])
         plan = autop.optimize_placement()
     assert plan.input_placements == [(Shard(0),), (Shard(0),)]
+
+
+def test_one_producer_feeding_two_arguments_is_priced_per_argument(fake_mesh):
+    class Square(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y * y
+
+    mesh = fake_mesh((2,))
+    with AutoParallel(meta(Square), lambda: torch.randn(8, 16), mesh) as autop:
+        autop.add_input_constraints([(Shard(0),)])
+        plan = autop.optimize_placement()
+    mul = next(n for n in plan.nodes.values() if n.target == "aten.mul.Tensor" and n.phase == "forward")
+    args = [a for a in mul.arguments if a.kind == "arg"]
+    assert [a.slot for a in args] == [0, 1]
+    assert args[0].producer == args[1].producer

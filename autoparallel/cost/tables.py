@@ -157,7 +157,9 @@ def _compute_costs(ns: NodeStrategies, topology: Topology) -> list[float]:
     for strategy in ns.strategies:
         key = (strategy.output, strategy.inputs)
         if key not in cache:
-            placement_of = dict(zip(ns.input_nodes, strategy.inputs))
+            placement_of: dict[fx.Node, Any] = {}
+            for producer, placements in zip(ns.input_nodes, strategy.inputs):
+                placement_of.setdefault(producer, placements)
             args, kwargs = _local_args(node, placement_of, mesh_shape)
             output = _local_value(node.meta["val"], strategy.output, mesh_shape)
             cache[key] = compute_cost_us(node.target, args, kwargs, output, topology.hardware)
