@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel.cost.tables import build_cost_tables
+from autoparallel.runtime.module import apply_placement
 from autoparallel.solver.highs import SolverOptions
 from autoparallel.solver.optimizer import ShardingOptimizer, check_shard_dims, validate_placements
 from autoparallel.solver.plan import Plan
@@ -132,6 +133,16 @@ class AutoParallel:
         plan = self.sharding_optimizer.resolve(verbose=verbose)
         self.stage_times_s["solve"] = time.perf_counter() - start
         return plan
+
+    def apply_placement(self, plan: Plan | None = None) -> nn.Module:
+        """The parallel module for ``plan`` (default: the last solution); see runtime/module.py."""
+        optimizer = self.sharding_optimizer
+        plan = plan or optimizer.get_solution()
+        problem = optimizer.problem
+        start = time.perf_counter()
+        module = apply_placement(self.model, problem.joint, problem.space, plan, self.mesh)
+        self.stage_times_s["apply"] = time.perf_counter() - start
+        return module
 
     def _add_boundary_constraints(self, constraints: Sequence, nodes: list, what: str) -> list[str]:
         if not isinstance(constraints, (list, tuple)):

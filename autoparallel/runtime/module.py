@@ -1,0 +1,227 @@
+"""Stage 6: the parallel module (apply_placement).
+
+The parallel module is a structural copy of the user's model whose parameters and buffers
+are DTensors with the planned placements (on the meta device if the model was), and whose
+``forward`` runs the planned joint graph on local per-rank tensors:
+
+* inputs are the rank's local shards, checked against the planned input placements;
+* outputs are local tensors laid out as the output constraints say;
+* ``loss.backward()`` runs the backward phase and leaves each ``param.grad`` as a DTensor
+  with the parameter's placement;
+* under ``torch.no_grad()`` only the nodes the outputs need run, and nothing is kept.
+
+Keeping the user's class (a subclass of it, with our ``forward``) means its own methods, such
+as ``init_weights()``, and its state-dict keys keep working on the parallel module.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autoparallel.runtime.executor import JointExecutor, redistribute
+from autoparallel.shapes import local_shape
+from autoparallel.solver.plan import Plan
+from autoparallel.strategies.types import StrategySpace, placement_str
+from autoparallel.trace import JointGraph
+
+logger = logging.getLogger(__name__)
+
+LOCAL_SOURCES = ("rule", "fallback", "factory")
+
+
+class InputMismatchError(ValueError):
+    """A local input does not match what the plan expects on this rank."""
+
+
+def apply_placement(
+    model: nn.Module, joint: JointGraph, space: StrategySpace, plan: Plan, mesh: DeviceMesh
+) -> nn.Module:
+    """Build the parallel module of ``model`` for ``plan`` (see the module docstring)."""
+    device = torch.device(mesh.device_type)
+    local_sources = {node.name for node, ns in space.nodes.items() if ns.source in LOCAL_SOURCES}
+    executor = JointExecutor(joint, plan, mesh, local_sources, device)
+    parallel = _copy_with_dtensors(model, plan, mesh)
+    runtime = _Runtime(joint, plan, mesh, executor)
+    cls = type(model)
+    parallel_cls = type(f"AutoParallel{cls.__name__}", (cls,), {"forward": _parallel_forward})
+    parallel.__class__ = parallel_cls
+    object.__setattr__(parallel, "_autoparallel", runtime)
+    return parallel
+
+
+def _copy_with_dtensors(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+    memo: dict[int, Any] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in memo:
+            continue
+        placements = plan.param_placements[name]
+        memo[id(param)] = nn.Parameter(_to_dtensor(param.detach(), mesh, placements), requires_grad=param.requires_grad)
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if id(buffer) in memo:
+            continue
+        placements = plan.buffer_placements.get(name, tuple(_replicate(mesh)))
+        memo[id(buffer)] = _to_dtensor(buffer, mesh, placements)
+    return copy.deepcopy(model, memo)
+
+
+def _replicate(mesh: DeviceMesh) -> list:
+    from torch.distributed.tensor import Replicate
+
+    return [Replicate()] * mesh.ndim
+
+
+def _to_dtensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+    """Shard a full tensor by the plan; a meta tensor stays meta (only its local shape)."""
+    if tensor.is_meta:
+        local = torch.empty(local_shape(tensor.shape, placements, mesh.shape), dtype=tensor.dtype, device="meta")
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
+    return distribute_tensor(tensor.to(mesh.device_type), mesh, placements, src_data_rank=None)
+
+
+class _Runtime:
+    """Per-module state of the parallel forward: the executor and the boundary placements."""
+
+    def __init__(self, joint: JointGraph, plan: Plan, mesh: DeviceMesh, executor: JointExecutor):
+        self.joint = joint
+        self.plan = plan
+        self.mesh = mesh
+        self.executor = executor
+        self.input_shapes = [tuple(n.meta["val"].shape) for n in joint.user_inputs]
+        self.input_dtypes = [n.meta["val"].dtype for n in joint.user_inputs]
+
+    # ------------------------------------------------------------------ inputs
+
+    def check_inputs(self, leaves: list[Any], spec: Any) -> None:
+        if spec != self.joint.in_spec:
+            raise InputMismatchError(
+                f"inputs have structure {spec} but the model was planned with {self.joint.in_spec}; "
+                "pass the same arguments (positional/keyword) as input_fn() returned"
+            )
+        for index, (leaf, shape, dtype, placements) in enumerate(
+            zip(leaves, self.input_shapes, self.input_dtypes, self.plan.input_placements)
+        ):
+            if not isinstance(leaf, torch.Tensor):
+                raise InputMismatchError(f"input {index} must be a tensor, got {type(leaf).__name__}")
+            expected = local_shape(shape, placements, self.mesh.shape)
+            if tuple(leaf.shape) != expected:
+                raise InputMismatchError(
+                    f"input {index}: expected local shape {expected} on this rank, got {tuple(leaf.shape)}; "
+                    f"{self._explain_local(shape, placements)}"
+                )
+            if leaf.dtype != dtype:
+                raise InputMismatchError(f"input {index}: expected dtype {dtype}, got {leaf.dtype}")
+
+    def _explain_local(self, shape: tuple, placements: tuple) -> str:
+        names = self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
+        parts = []
+        for mesh_dim, placement in enumerate(placements):
+            dim = getattr(placement, "dim", None)
+            if dim is not None:
+                size = self.mesh.shape[mesh_dim]
+                parts.append(f"tensor dim {dim} ({shape[dim]}) sharded over {names[mesh_dim]}={size}")
+        how = ", ".join(parts) if parts else "replicated: every rank gets the whole tensor"
+        return f"global shape {shape} with placements {placement_str(placements)}: {how}"
+
+    # ------------------------------------------------------------------ phases
+
+    def forward_env(self, module: nn.Module, local_inputs: list[torch.Tensor], params: list[torch.Tensor]) -> dict:
+        joint, plan, mesh = self.joint, self.plan, self.mesh
+        env: dict[fx.Node, Any] = {}
+        for (name, node), local in zip(joint.params.items(), params):
+            env[node] = DTensor.from_local(local, mesh, plan.param_placements[name], run_check=False)
+        for name, node in joint.buffers.items():
+            buffer = module.get_buffer(name)
+            env[node] = buffer if isinstance(buffer, DTensor) else DTensor.from_local(
+                buffer, mesh, plan.buffer_placements[name], run_check=False
+            )
+        for node, local, placements in zip(joint.user_inputs, local_inputs, plan.input_placements):
+            env[node] = DTensor.from_local(local, mesh, placements, run_check=False)
+        return env
+
+    def outputs(self, env: dict) -> list[torch.Tensor | None]:
+        results = []
+        for output, placements in zip(self.joint.user_outputs, self.plan.output_placements):
+            if output is None:
+                results.append(None)
+                continue
+            results.append(redistribute(env[output], placements).to_local())
+        return results
+
+    def backward(self, env: dict, grad_outputs: tuple) -> tuple[list, list]:
+        joint, plan, mesh = self.joint, self.plan, self.mesh
+        for index, grad in enumerate(grad_outputs):
+            tangent = joint.tangents.get(index)
+            if tangent is not None:
+                env[tangent] = DTensor.from_local(grad.contiguous(), mesh, plan.output_placements[index], run_check=False)
+        self.executor.run(env, self.executor.backward_order)
+        param_grads = []
+        for name in joint.params:
+            grad_node = joint.param_grads.get(name)
+            if grad_node is None:
+                param_grads.append(None)
+                continue
+            param_grads.append(redistribute(env[grad_node], plan.param_placements[name]).to_local())
+        input_grads = []
+        for index, placements in enumerate(plan.input_placements):
+            grad_node = joint.input_grads.get(index)
+            input_grads.append(None if grad_node is None else redistribute(env[grad_node], placements).to_local())
+        return param_grads, input_grads
+
+
+class _JointFunction(torch.autograd.Function):
+    """Forward phase in ``forward``, backward phase in ``backward``, on local tensors."""
+
+    @staticmethod
+    def forward(ctx, runtime: _Runtime, module: nn.Module, num_params: int, *flat: torch.Tensor):
+        params, local_inputs = list(flat[:num_params]), list(flat[num_params:])
+        env = runtime.forward_env(module, local_inputs, params)
+        runtime.executor.run(env, runtime.executor.forward_order)
+        outputs = runtime.outputs(env)
+        keep = runtime.executor.saved_for_backward
+        ctx.runtime = runtime
+        ctx.env = {node: value for node, value in env.items() if node in keep}
+        ctx.num_params = num_params
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor):
+        param_grads, input_grads = ctx.runtime.backward(dict(ctx.env), grad_outputs)
+        ctx.env = None
+        return (None, None, None, *param_grads, *input_grads)
+
+
+def _local_parameters(module: nn.Module, names: list[str]) -> list[torch.Tensor]:
+    locals_ = []
+    for name in names:
+        param = module.get_parameter(name)
+        if param.is_meta or (isinstance(param, DTensor) and param.to_local().is_meta):
+            raise RuntimeError(
+                f"parameter {name} is still on the meta device: call parallel_model.to_empty(device=...) and "
+                "initialize it (init_weights() / load_state_dict(...)) before running"
+            )
+        locals_.append(param.to_local() if isinstance(param, DTensor) else param)
+    return locals_
+
+
+def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    runtime: _Runtime = self._autoparallel
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    runtime.check_inputs(leaves, spec)
+    names = list(runtime.joint.params)
+    params = _local_parameters(self, names)
+    if not torch.is_grad_enabled():
+        env = runtime.forward_env(self, leaves, params)
+        runtime.executor.run(env, runtime.executor.inference_order)
+        outputs = runtime.outputs(env)
+    else:
+        outputs = list(_JointFunction.apply(runtime, self, len(params), *params, *leaves))
+    return tree_unflatten(outputs, runtime.joint.out_spec)

@@ -1,0 +1,310 @@
+"""Multi-process helpers for tests, benchmarks and examples (gloo on CPU).
+
+``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
+``world_size`` fresh processes joined by a gloo process group and returns what each rank
+returned, in rank order. ``reference_training`` runs the same training loop on one process
+without any sharding, so a parallel run can be checked against it. ``gather_full`` turns a
+DTensor back into the full tensor (a collective: call it on every rank, in the same order).
+
+Typical test::
+
+    def train(rank, world_size):                 # module level, so it pickles
+        mesh = init_device_mesh("cpu", (world_size,))
+        ...
+        return {"losses": losses, "params": full_params(model)}
+
+    results = run_distributed(train, 2)
+    reference = reference_training(make_model, batches, steps=2, lr=1e-2)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+from torch import nn
+
+__all__ = [
+    "default_loss",
+    "find_free_port",
+    "full_grads",
+    "full_params",
+    "gather_full",
+    "reference_training",
+    "run_distributed",
+]
+
+_GRACE_S = 5.0
+"""After one rank fails, how long to wait for the others to report before killing them."""
+
+
+# ---------------------------------------------------------------------------------- launcher
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _child_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+@contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block (a spawned child inherits them)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    results: Any,
+) -> None:
+    """Body of one spawned rank: report ("ok", payload) or ("error", traceback) on ``results``."""
+    os.environ.update(_child_env(rank, world_size, port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        # Pickle here (plain pickle: tensors travel by value) so that an unpicklable return
+        # value is reported as this rank's error, and nothing depends on shared memory that
+        # disappears when the child exits.
+        message = ("ok", pickle.dumps(value))
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        message = ("error", traceback.format_exc())
+    results.put((rank, message[0], message[1]))
+
+
+def _stop(processes: Sequence[Any]) -> None:
+    """Terminate, then kill, every child still alive; reap them all."""
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 2.0
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Each rank is a fresh process (``spawn``) with ``MASTER_ADDR=127.0.0.1``, a free
+    ``MASTER_PORT``, ``RANK``/``WORLD_SIZE`` set, ``OMP_NUM_THREADS=1`` and
+    ``torch.set_num_threads(1)``; it joins the default process group with
+    ``init_process_group("gloo")`` before ``fn`` runs and leaves it afterwards.
+
+    ``fn`` must be a module-level function and its arguments and return value picklable
+    (tensors are returned by value). Returns the ranks' return values in rank order.
+
+    Raises RuntimeError with the formatted traceback of the failing rank (the first to
+    report, lowest rank among those that reported by then) if any rank raises, if a
+    rank dies without reporting, or if the whole run takes longer than ``timeout_s``
+    seconds; in every case all children are killed before returning.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    context = torch_mp.get_context("spawn")
+    results = context.Queue()
+    port = find_free_port()
+    processes = []
+    reports: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        # Children inherit the environment at start: OMP_NUM_THREADS must be set before
+        # they import torch, which happens while unpickling the target.
+        with _environ({"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}):
+            for rank in range(world_size):
+                proc = context.Process(
+                    target=_worker,
+                    args=(rank, world_size, port, fn, args, kwargs, results),
+                    name=f"autoparallel-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                processes.append(proc)
+        failure_at: float | None = None
+        dead_since: dict[int, float] = {}
+        while len(reports) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if failure_at is not None and now - failure_at >= _GRACE_S:
+                break
+            try:
+                rank, status, payload = results.get(timeout=0.1)
+            except queue_module.Empty:
+                _note_silent_deaths(processes, reports, dead_since)
+                if failure_at is None and any(status != "ok" for status, _ in reports.values()):
+                    failure_at = time.monotonic()
+                continue
+            reports[rank] = (status, payload)
+            if status != "ok" and failure_at is None:
+                failure_at = time.monotonic()
+    finally:
+        _stop(processes)
+        results.close()
+        results.join_thread()
+
+    failed = sorted(rank for rank, (status, _) in reports.items() if status != "ok")
+    if failed:
+        rank = failed[0]
+        others = f" (ranks {failed} failed)" if len(failed) > 1 else ""
+        raise RuntimeError(f"rank {rank} of {world_size} failed{others}:\n{reports[rank][1]}")
+    if len(reports) < world_size:
+        missing = [rank for rank in range(world_size) if rank not in reports]
+        raise RuntimeError(
+            f"run_distributed({getattr(fn, '__name__', fn)!r}) timed out after {timeout_s:.0f} s: "
+            f"ranks {missing} of {world_size} did not finish (children killed)"
+        )
+    return [pickle.loads(reports[rank][1]) for rank in range(world_size)]
+
+
+def _note_silent_deaths(
+    processes: Sequence[Any], reports: dict[int, tuple[str, Any]], dead_since: dict[int, float]
+) -> None:
+    """Record ranks whose process exited without reporting (segfault, os._exit, OOM kill).
+
+    A rank that reported just before exiting may still be in the queue's pipe, so a dead
+    rank counts as lost only after its report has failed to arrive for a second.
+    """
+    now = time.monotonic()
+    for rank, proc in enumerate(processes):
+        if rank in reports or proc.exitcode is None:
+            continue
+        first_seen = dead_since.setdefault(rank, now)
+        if now - first_seen >= 1.0:
+            reports[rank] = ("error", f"process exited with code {proc.exitcode} without reporting a result\n")
+
+
+# ---------------------------------------------------------------------------------- reference
+
+
+def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
+    """``output.float().pow(2).mean()``: a loss that needs no targets."""
+    return output.float().pow(2).mean()
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def reference_training(
+    model_factory: Callable[[], nn.Module],
+    batches: Sequence[Any],
+    steps: int,
+    lr: float,
+    loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss,
+) -> dict[str, Any]:
+    """Train the unsharded model on one process: the ground truth for a parallel run.
+
+    ``model_factory()`` must return a ready model (parameters materialized and initialized,
+    e.g. ``MLP(...)`` followed by ``init_weights(seed=0)``). Step ``i`` uses
+    ``batches[i % len(batches)]`` (a tensor, a tuple of positional inputs, or a dict of
+    keyword inputs) and ``loss = loss_fn(model(batch), batch)``; then ``backward`` and one
+    ``torch.optim.AdamW(lr=lr)`` step (other AdamW settings at their defaults).
+
+    Returns ``{"losses": [float per step], "params": {name: tensor after the last step},
+    "grads": {name: gradient of step 0}}`` (detached CPU clones; a parameter without a
+    gradient maps to None).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if not batches:
+        raise ValueError("batches must hold at least one batch")
+    model = model_factory()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses: list[float] = []
+    first_grads: dict[str, torch.Tensor | None] = {}
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(_call(model, batch), batch)
+        loss.backward()
+        if step == 0:
+            first_grads = {
+                name: None if p.grad is None else p.grad.detach().cpu().clone()
+                for name, p in model.named_parameters()
+            }
+        optimizer.step()
+        losses.append(loss.item())
+    params = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "grads": first_grads}
+
+
+# ---------------------------------------------------------------------------------- gathering
+
+
+def gather_full(tensor: Any) -> Any:
+    """The full (unsharded) value of a DTensor, as a plain tensor; anything else unchanged.
+
+    For a DTensor this is ``tensor.full_tensor()``, a collective over its mesh: every rank
+    must call it, for the same tensors in the same order.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    return tensor
+
+
+def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: full detached CPU value}`` of every parameter (collective for DTensors)."""
+    with torch.no_grad():
+        return {name: gather_full(p.detach()).cpu().clone() for name, p in module.named_parameters()}
+
+
+def full_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``{name: full CPU gradient or None}`` of every parameter (collective for DTensors)."""
+    with torch.no_grad():
+        return {
+            name: None if p.grad is None else gather_full(p.grad).cpu().clone()
+            for name, p in module.named_parameters()
+        }

@@ -1,0 +1,156 @@
+"""The multi-process harness (autoparallel.testing) on real gloo process groups.
+
+The FSDP2 test is the pattern the runtime tests follow: train a known-good sharding on
+LOCAL per-rank batch slices and compare with the single-process reference.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autoparallel.models import MLP
+from autoparallel.testing import (
+    full_grads,
+    full_params,
+    gather_full,
+    reference_training,
+    run_distributed,
+)
+
+DIM, HIDDEN, BATCH, STEPS, LR = 16, 32, 8, 2, 1e-2
+
+
+# Rank functions must live at module level so the spawned processes can unpickle them.
+
+
+def _all_reduce_rank(rank: int, world_size: int, scale: int = 1, offset: float = 0.0) -> dict:
+    value = torch.tensor([float(rank + 1) * scale + offset])
+    dist.all_reduce(value)
+    return {"rank": rank, "world_size": world_size, "sum": value.item()}
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one exploded on purpose")
+    return rank
+
+
+def _hang(rank: int, world_size: int) -> None:
+    time.sleep(60)
+
+
+def make_batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randn(BATCH, DIM, generator=generator) for _ in range(STEPS)]
+
+
+def make_mlp() -> MLP:
+    model = MLP(DIM, HIDDEN)
+    model.init_weights(seed=0)
+    return model
+
+
+def _fsdp2_mlp(rank: int, world_size: int, batches: list[torch.Tensor]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):
+        model = MLP(DIM, HIDDEN)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    rows = BATCH // world_size
+    losses, grads = [], None
+    for step in range(STEPS):
+        local = batches[step][rank * rows : (rank + 1) * rows]
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(local).float().pow(2).mean()
+        loss.backward()
+        if step == 0:
+            grads = full_grads(model)
+        optimizer.step()
+        # gloo has no ReduceOp.AVG: sum the per-rank means, then divide.
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world_size)
+    placements = {name: tuple(p.placements) for name, p in model.named_parameters()}
+    grad_is_dtensor = all(type(p.grad).__name__ == "DTensor" for p in model.parameters())
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "grads": grads,
+        "placements": placements,
+        "grad_is_dtensor": grad_is_dtensor,
+    }
+
+
+def test_run_distributed_returns_values_in_rank_order():
+    results = run_distributed(_all_reduce_rank, 2, timeout_s=60)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 for r in results)
+    assert [r["sum"] for r in results] == [3.0, 3.0]
+
+
+def test_run_distributed_passes_arguments_well_within_60_s():
+    # Timed by hand (pytest-timeout is not a dependency); run_distributed's own timeout_s
+    # bounds the call, so this cannot hang either.
+    start = time.monotonic()
+    results = run_distributed(_all_reduce_rank, 2, 10, timeout_s=60, offset=0.5)
+    assert [r["sum"] for r in results] == [31.0, 31.0]
+    assert time.monotonic() - start < 60
+
+
+def test_run_distributed_reports_the_failing_rank():
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed") as info:
+        run_distributed(_fail_on_rank_one, 2, timeout_s=60)
+    message = str(info.value)
+    assert "ValueError: rank one exploded on purpose" in message
+    assert "Traceback" in message and "_fail_on_rank_one" in message
+
+
+def test_run_distributed_times_out_and_kills_children():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        run_distributed(_hang, 2, timeout_s=8)
+    assert time.monotonic() - start < 30
+
+
+def test_gather_full_leaves_plain_tensors_alone():
+    tensor = torch.arange(4.0)
+    assert gather_full(tensor) is tensor
+    assert gather_full(None) is None
+
+
+def test_reference_training_shapes_and_custom_loss():
+    batches = make_batches()
+    ref = reference_training(make_mlp, batches, steps=STEPS, lr=LR)
+    assert len(ref["losses"]) == STEPS and ref["losses"][1] < ref["losses"][0]
+    assert set(ref["params"]) == set(ref["grads"]) == {"w1.weight", "w1.bias", "w2.weight", "w2.bias"}
+    assert not torch.equal(ref["params"]["w1.weight"], make_mlp().w1.weight.detach())
+
+    def l1(output, batch):
+        return (output - batch).abs().mean()
+
+    other = reference_training(make_mlp, batches, steps=1, lr=LR, loss_fn=l1)
+    expected = (make_mlp()(batches[0]) - batches[0]).abs().mean().item()
+    assert other["losses"][0] == pytest.approx(expected)
+
+
+def test_fsdp2_matches_reference_training():
+    batches = make_batches()
+    ref = reference_training(make_mlp, batches, steps=STEPS, lr=LR)
+    results = run_distributed(_fsdp2_mlp, 2, batches, timeout_s=120)
+    for result in results:
+        assert result["grad_is_dtensor"]
+        assert all(len(p) == 1 and p[0].is_shard(0) for p in result["placements"].values())
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=1e-5)
+        for name, value in ref["grads"].items():
+            torch.testing.assert_close(result["grads"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
