@@ -1,8 +1,12 @@
 """autoparallel: plan and apply the parallelization of a PyTorch model automatically."""
 
-from autoparallel.api import AutoParallel
+from autoparallel.api import AutoParallel, auto_parallel
+from autoparallel.runtime import InputMismatchError
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.solver.plan import Plan
 from autoparallel.topology import HARDWARE_PRESETS, Hardware, Topology
 
-__all__ = ["AutoParallel", "Plan", "InfeasibleConstraintsError", "Hardware", "Topology", "HARDWARE_PRESETS"]
+__all__ = [
+    "AutoParallel",
+    "auto_parallel",
+    "InputMismatchError", "Plan", "InfeasibleConstraintsError", "Hardware", "Topology", "HARDWARE_PRESETS"]

@@ -40,9 +40,9 @@ __all__ = [
 # ---------------------------------------------------------------------------- tracing
 
 
-def new_fake_mode() -> FakeTensorMode:
+def new_fake_mode(allow_non_fake_inputs: bool = False) -> FakeTensorMode:
     """A fresh fake mode per session: no state is shared between two planning sessions."""
-    return FakeTensorMode(allow_non_fake_inputs=False)
+    return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
 
 
 def export_joint(stack: contextlib.ExitStack, model: nn.Module, args: tuple, kwargs: dict) -> Any:

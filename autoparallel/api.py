@@ -165,3 +165,59 @@ class AutoParallel:
             checked.append((index, node, placements, label))
         optimizer = self.sharding_optimizer
         return [optimizer.add_placement_constraint(node, p, f"{what}:{i}", label) for i, node, p, label in checked]
+
+
+def auto_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    sample_inputs: Any,
+    out_shardings: Any,
+    *,
+    mp_policy: Any = None,
+    parameter_memory_budget: tuple[float | None, float | None] | None = None,
+    dynamic: bool = False,
+    **planner_options: Any,
+) -> nn.Module:
+    """Plan and apply in one call; returns the parallel module.
+
+    Args:
+        sample_inputs: GLOBAL example inputs (a tensor, tuple or dict, or a callable returning
+            one). DTensor leaves carry their placements as input constraints; plain tensors
+            are taken as replicated.
+        out_shardings: a pytree matching the model's outputs, with a placement tuple per
+            output tensor.
+        parameter_memory_budget: ``(low, high)`` bytes per device for the parameter memory
+            constraint (``(None, None)`` = the defaults); ``None`` adds no constraint.
+        dynamic: not supported yet (a different batch size needs a new plan).
+        planner_options: passed to :class:`AutoParallel` (hardware, gpus_per_node, ...).
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import Placement
+    from torch.utils._pytree import tree_flatten
+
+    if dynamic:
+        raise NotImplementedError("dynamic=True is not supported yet: plan for the batch size you run with")
+    raw = sample_inputs() if callable(sample_inputs) else sample_inputs
+    leaves, spec = tree_flatten(raw)
+    placements = [
+        tuple(leaf.placements) if isinstance(leaf, DTensor) else (Replicate(),) * mesh.ndim for leaf in leaves
+    ]
+
+    def input_fn() -> Any:
+        import torch
+
+        globals_ = [torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        return spec.unflatten(globals_)
+
+    def is_placement_tuple(node: Any) -> bool:
+        return isinstance(node, (tuple, list)) and len(node) > 0 and all(isinstance(p, Placement) for p in node)
+
+    output_placements, _ = tree_flatten(out_shardings, is_leaf=is_placement_tuple)
+    with AutoParallel(model, input_fn, mesh, mp_policy, **planner_options) as autop:
+        autop.add_input_constraints(placements)
+        autop.add_output_constraints(output_placements)
+        if parameter_memory_budget is not None:
+            low, high = parameter_memory_budget
+            autop.add_parameter_memory_constraint(low, high)
+        plan = autop.optimize_placement()
+        return autop.apply_placement(plan)

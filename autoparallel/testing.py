@@ -98,18 +98,18 @@ def _worker(
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            value = fn(rank, world_size, *args, **kwargs)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        value = fn(rank, world_size, *args, **kwargs)
         # Pickle here (plain pickle: tensors travel by value) so that an unpicklable return
         # value is reported as this rank's error, and nothing depends on shared memory that
         # disappears when the child exits.
-        message = ("ok", pickle.dumps(value))
+        message = (rank, "ok", pickle.dumps(value))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
-        message = ("error", traceback.format_exc())
-    results.put((rank, message[0], message[1]))
+        message = (rank, "error", traceback.format_exc())
+    # Report before leaving the group: leaving closes the connections, which makes peers
+    # blocked in a collective fail too, and their report should not overtake this one.
+    results.put(message)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _stop(processes: Sequence[Any]) -> None:
@@ -138,10 +138,13 @@ def run_distributed(
     ``fn`` must be a module-level function and its arguments and return value picklable
     (tensors are returned by value). Returns the ranks' return values in rank order.
 
-    Raises RuntimeError with the formatted traceback of the failing rank (the first to
-    report, lowest rank among those that reported by then) if any rank raises, if a
-    rank dies without reporting, or if the whole run takes longer than ``timeout_s``
-    seconds; in every case all children are killed before returning.
+    Return DTensors as full tensors (``gather_full``, ``full_params``, ``full_grads``):
+    the process group is gone by the time the value is pickled.
+
+    Raises RuntimeError with the formatted traceback of the failing rank (the first
+    failure to arrive; later ones are listed by their last line) if any rank raises, if
+    a rank dies without reporting, or if the whole run takes longer than ``timeout_s``
+    seconds; in every case all children are stopped (terminate, then kill) first.
     """
     if not callable(fn):
         raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
@@ -189,11 +192,16 @@ def run_distributed(
         results.close()
         results.join_thread()
 
-    failed = sorted(rank for rank, (status, _) in reports.items() if status != "ok")
+    # The first failure to arrive is usually the cause; ranks that merely lost their
+    # connection to a failed peer go last whatever their arrival.
+    failed = [rank for rank, (status, _) in reports.items() if status != "ok"]
+    failed.sort(key=lambda rank: _is_peer_loss(reports[rank][1]))  # stable: keeps arrival order
     if failed:
         rank = failed[0]
-        others = f" (ranks {failed} failed)" if len(failed) > 1 else ""
-        raise RuntimeError(f"rank {rank} of {world_size} failed{others}:\n{reports[rank][1]}")
+        others = "".join(
+            f"\n(rank {other} also failed: {_last_line(reports[other][1])})" for other in failed[1:]
+        )
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{reports[rank][1]}{others}")
     if len(reports) < world_size:
         missing = [rank for rank in range(world_size) if rank not in reports]
         raise RuntimeError(
@@ -201,6 +209,19 @@ def run_distributed(
             f"ranks {missing} of {world_size} did not finish (children killed)"
         )
     return [pickle.loads(reports[rank][1]) for rank in range(world_size)]
+
+
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def _is_peer_loss(text: str) -> bool:
+    """True for a traceback that only says another rank went away (a consequence)."""
+    return any(marker in text for marker in _PEER_LOSS)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 def _note_silent_deaths(

@@ -164,7 +164,9 @@ def trace_joint(
 ) -> JointGraph:
     """Trace ``model`` on the global inputs of ``input_fn`` into a :class:`JointGraph`."""
     fake_mode = internals.new_fake_mode()
-    with fake_mode:
+    # input_fn runs under a fake mode of its own so that it allocates nothing even for huge
+    # global inputs, yet may still read real tensors it closes over; only shapes are kept.
+    with internals.new_fake_mode(allow_non_fake_inputs=True):
         raw_inputs = input_fn()
     args, kwargs = normalize_inputs(raw_inputs)
     fake_args, fake_kwargs = _fake_inputs(args, kwargs, fake_mode, device)

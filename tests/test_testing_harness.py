@@ -39,6 +39,12 @@ def _fail_on_rank_one(rank: int, world_size: int) -> int:
     return rank
 
 
+def _fail_while_peer_waits(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise KeyError("rank one failed before the collective")
+    dist.all_reduce(torch.ones(1))  # rank 0 blocks here: its peer never joins
+
+
 def _hang(rank: int, world_size: int) -> None:
     time.sleep(60)
 
@@ -107,11 +113,19 @@ def test_run_distributed_passes_arguments_well_within_60_s():
 
 
 def test_run_distributed_reports_the_failing_rank():
-    with pytest.raises(RuntimeError, match="rank 1 of 2 failed") as info:
+    with pytest.raises(RuntimeError, match="^rank 1 of 2 failed") as info:
         run_distributed(_fail_on_rank_one, 2, timeout_s=60)
     message = str(info.value)
     assert "ValueError: rank one exploded on purpose" in message
     assert "Traceback" in message and "_fail_on_rank_one" in message
+
+
+def test_a_failing_rank_does_not_leave_its_peer_hanging():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="^rank 1 of 2 failed") as info:
+        run_distributed(_fail_while_peer_waits, 2, timeout_s=60)
+    assert "rank one failed before the collective" in str(info.value)
+    assert time.monotonic() - start < 45
 
 
 def test_run_distributed_times_out_and_kills_children():

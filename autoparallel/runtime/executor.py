@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
 from autoparallel.solver.plan import Plan
@@ -125,7 +125,25 @@ class JointExecutor:
 
 
 def redistribute(value: DTensor, placements: Sequence) -> DTensor:
+    """DTensor.redistribute, plus Replicate -> Partial, which DTensor keeps internal.
+
+    The planner prices Replicate -> Partial(sum) as free: the rank at coordinate 0 of that
+    mesh dimension keeps the value and the others hold zeros, so the pending sum is exact.
+    """
     placements = tuple(placements)
     if tuple(value.placements) == placements:
         return value
-    return value.redistribute(value.device_mesh, placements)
+    to_partial = [
+        dim
+        for dim, (src, dst) in enumerate(zip(value.placements, placements))
+        if isinstance(dst, Partial) and not isinstance(src, Partial)
+    ]
+    if not to_partial:
+        return value.redistribute(value.device_mesh, placements)
+    mesh = value.device_mesh
+    staging = tuple(Replicate() if dim in to_partial else p for dim, p in enumerate(placements))
+    local = redistribute(value, staging).to_local()
+    coordinate = mesh.get_coordinate()
+    if any(coordinate[dim] != 0 for dim in to_partial):
+        local = torch.zeros_like(local)
+    return DTensor.from_local(local, mesh, placements, run_check=False)

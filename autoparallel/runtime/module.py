@@ -52,7 +52,11 @@ def apply_placement(
     parallel = _copy_with_dtensors(model, plan, mesh)
     runtime = _Runtime(joint, plan, mesh, executor)
     cls = type(model)
-    parallel_cls = type(f"AutoParallel{cls.__name__}", (cls,), {"forward": _parallel_forward})
+    parallel_cls = type(
+        f"AutoParallel{cls.__name__}",
+        (cls,),
+        {"forward": _parallel_forward, "load_state_dict": _load_state_dict, "__module__": cls.__module__},
+    )
     parallel.__class__ = parallel_cls
     object.__setattr__(parallel, "_autoparallel", runtime)
     return parallel
@@ -225,3 +229,23 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     else:
         outputs = list(_JointFunction.apply(runtime, self, len(params), *params, *leaves))
     return tree_unflatten(outputs, runtime.joint.out_spec)
+
+
+def _load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+    """``load_state_dict`` accepting full (unsharded) tensors as well as DTensors.
+
+    A plain tensor loaded into a DTensor parameter or buffer is sharded on the way in: every
+    rank holds the full value and keeps its own shard (no communication).
+    """
+    current = dict(self.state_dict(keep_vars=True))
+    converted = {}
+    for key, value in state_dict.items():
+        target = current.get(key)
+        if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
+            value = distribute_tensor(
+                value.to(device=target.device, dtype=target.dtype), target.device_mesh, target.placements, src_data_rank=None
+            )
+        converted[key] = value
+    return nn.Module.load_state_dict(self, converted, strict=strict, assign=assign)

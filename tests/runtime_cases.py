@@ -1,0 +1,153 @@
+"""Per-rank bodies of the multi-process runtime tests (module level, so spawn can pickle them).
+
+Every case plans on the real gloo mesh of its ranks, applies the plan, materializes with
+``to_empty`` + ``init_weights(seed=0)`` and trains with stock AdamW, returning plain numbers
+and full (gathered) tensors that the test compares with the single-process reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from autoparallel import AutoParallel, InputMismatchError
+from autoparallel.models import MLP, Llama, llama_config
+from autoparallel.strategies.types import placement_str
+from autoparallel.testing import full_grads, full_params
+
+LLAMA = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512)
+STEPS = 3
+LR = 1e-3
+
+
+def build(model_name: str, device: str = "meta") -> torch.nn.Module:
+    with torch.device(device):
+        return MLP(64, 256) if model_name == "mlp" else Llama(LLAMA)
+
+
+def global_batches(model_name: str) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    if model_name == "mlp":
+        return [torch.randn(1024, 64, generator=generator) for _ in range(STEPS)]
+    return [torch.randint(0, LLAMA.vocab_size, (8, 64), generator=generator) for _ in range(STEPS)]
+
+
+def reference_model(model_name: str) -> torch.nn.Module:
+    model = build(model_name, "cpu")
+    model.init_weights(seed=0)
+    return model
+
+
+def _plan_and_apply(model_name: str, mesh, kind: str):
+    model = build(model_name)
+    batch_sharded = (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
+    example = global_batches(model_name)[0]
+    with AutoParallel(model, lambda: torch.empty_like(example), mesh, hardware="cpu") as autop:
+        autop.add_input_constraints([batch_sharded])
+        autop.add_output_constraints([batch_sharded])
+        if kind == "fsdp":
+            autop.add_parameter_memory_constraint()
+        if kind == "tp":
+            optimizer = autop.sharding_optimizer
+            params = optimizer.problem.joint.params
+            column, row = ("w1.weight", "w2.weight") if model_name == "mlp" else (
+                "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight")
+            optimizer.add_node_constraint(params[column], (Replicate(), Shard(0)))
+            optimizer.add_node_constraint(params[row], (Replicate(), Shard(1)))
+        plan = autop.optimize_placement()
+        parallel = autop.apply_placement(plan)
+    return plan, parallel
+
+
+def _local_rows(batch: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's rows of a global batch sharded on batch over mesh dim 0."""
+    coordinate = mesh.get_coordinate()[0]
+    return batch.chunk(mesh.shape[0])[coordinate]
+
+
+def train(rank: int, world_size: int, model_name: str, shape: tuple[int, ...], kind: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", shape)
+    plan, parallel = _plan_and_apply(model_name, mesh, kind)
+    parallel.to_empty(device="cpu")
+    parallel.init_weights(seed=0)
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR)
+    reference_out = reference_model(model_name)(global_batches(model_name)[0]).detach()
+    result: dict[str, Any] = {"losses": [], "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()}}
+    result["all_reduces"] = sum(
+        1 for _, a in plan.redistributions() if "P" in placement_str(a.src) and "P" not in placement_str(a.dst)
+    )
+    for step, batch in enumerate(global_batches(model_name)):
+        local = _local_rows(batch, mesh)
+        output = parallel(local)
+        if step == 0:
+            result["output_error"] = (output - _local_rows(reference_out, mesh)).abs().max().item()
+        numel = output.numel() * mesh.shape[0]
+        loss = output.float().pow(2).sum() / numel
+        loss.backward()
+        if step == 0:
+            result["grads"] = full_grads(parallel)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh.get_group(0))
+        result["losses"].append(total.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    result["params"] = full_params(parallel)
+    return result
+
+
+def inference_and_state(rank: int, world_size: int) -> dict[str, Any]:
+    """no_grad forward, load_state_dict of full tensors, DCP round trip, input checks."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    _, parallel = _plan_and_apply("llama", mesh, "fsdp")
+    parallel.to_empty(device="cpu")
+    reference = reference_model("llama")
+    parallel.load_state_dict(reference.state_dict())
+    parallel.reset_rotary()  # non-persistent buffers are not in a state dict
+    batch = global_batches("llama")[0]
+    with torch.no_grad():
+        output = parallel(_local_rows(batch, mesh))
+        expected = _local_rows(reference(batch), mesh)
+    result = {"inference_error": (output - expected).abs().max().item(), "requires_grad": output.requires_grad}
+
+    state = parallel.state_dict()
+    result["state_is_dtensor"] = all(type(v).__name__ == "DTensor" for v in state.values())
+    directory = os.path.join(tempfile.gettempdir(), f"autoparallel-dcp-{os.getppid()}")
+    dcp.save(state, checkpoint_id=directory)
+    _, fresh = _plan_and_apply("llama", mesh, "fsdp")
+    fresh.to_empty(device="cpu")
+    fresh.init_weights(seed=1)  # different values, overwritten by the load
+    fresh_state = fresh.state_dict()
+    dcp.load(fresh_state, checkpoint_id=directory)
+    fresh.load_state_dict(fresh_state)
+    fresh.reset_rotary()
+    with torch.no_grad():
+        result["dcp_error"] = (fresh(_local_rows(batch, mesh)) - expected).abs().max().item()
+
+    try:
+        parallel(batch)  # the global batch instead of the local one
+    except InputMismatchError as error:
+        result["input_error"] = str(error)
+    return result
+
+
+def init_matches_reference(rank: int, world_size: int) -> float:
+    """to_empty + init_weights on the parallel module equals init_weights on the original."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    _, parallel = _plan_and_apply("mlp", mesh, "fsdp")
+    parallel.to_empty(device="cpu")
+    parallel.init_weights(seed=0)
+    reference = reference_model("mlp")
+    gathered = full_params(parallel)
+    return max((gathered[name] - p).abs().max().item() for name, p in reference.named_parameters())
+
+
+__all__ = ["train", "inference_and_state", "init_matches_reference", "global_batches", "reference_model", "math"]

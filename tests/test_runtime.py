@@ -1,0 +1,81 @@
+"""The parallel module trains to the same numbers as the single-device model (gloo ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_cases import LR, STEPS, global_batches, inference_and_state, init_matches_reference, reference_model, train
+
+from autoparallel.testing import reference_training, run_distributed
+
+TOLERANCE = 1e-4
+
+
+def _loss(output, batch):
+    return output.float().pow(2).mean()
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(model_name):
+        if model_name not in cache:
+            cache[model_name] = reference_training(
+                lambda: reference_model(model_name), global_batches(model_name), STEPS, LR, loss_fn=_loss
+            )
+        return cache[model_name]
+
+    return get
+
+
+def _max_error(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b if b[k] is not None)
+
+
+@pytest.mark.parametrize(
+    "model_name,shape,kind",
+    [
+        ("mlp", (2,), "ddp"),
+        ("mlp", (4,), "fsdp"),
+        ("mlp", (2, 2), "tp"),
+        ("llama", (2,), "fsdp"),
+        ("llama", (2, 2), "tp"),
+    ],
+)
+def test_parallel_training_matches_single_device(references, model_name, shape, kind):
+    world_size = 1
+    for size in shape:
+        world_size *= size
+    results = run_distributed(train, world_size, model_name, shape, kind, timeout_s=240)
+    reference = references(model_name)
+    rank0 = results[0]
+    placements = rank0["param_placements"]
+    if kind == "ddp":
+        assert set(placements.values()) == {"R"}
+        assert rank0["all_reduces"] >= 1  # gradients are summed across ranks
+    elif kind == "fsdp":
+        assert all("S(" in p for p in placements.values() if p), placements
+    else:
+        assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), placements
+    for result in results:
+        assert result["output_error"] < TOLERANCE
+        assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
+        assert _max_error(result["grads"], reference["grads"]) < TOLERANCE
+        assert _max_error(result["params"], reference["params"]) < TOLERANCE
+
+
+def test_inference_state_dict_and_input_checks():
+    results = run_distributed(inference_and_state, 2, timeout_s=240)
+    for result in results:
+        assert result["inference_error"] < TOLERANCE
+        assert result["requires_grad"] is False
+        assert result["state_is_dtensor"]
+        assert result["dcp_error"] < TOLERANCE
+        message = result["input_error"]
+        assert "expected local shape (4, 64)" in message and "got (8, 64)" in message
+        assert "sharded over dim0=2" in message
+
+
+def test_to_empty_and_init_weights_match_the_original():
+    assert max(run_distributed(init_matches_reference, 2, timeout_s=120)) == 0.0
