@@ -174,7 +174,10 @@ def time_variant(
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(model(inputs), targets)
-        loss.backward()
+        # Our module's gradients are those of the SUM of the ranks' losses (it computes the
+        # global model); FSDP2/DDP average. Scaling by 1/world_size gives both the same
+        # gradients of the global mean loss.
+        (loss / world_size if variant.startswith("ours") else loss).backward()
         optimizer.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())

@@ -103,16 +103,20 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world_size:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         optimizer.zero_grad(set_to_none=True)
         logits = parallel(inputs)  # LOCAL logits of this rank's rows
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # The parallel module computes the GLOBAL model: gradients are those of the sum of
+        # the ranks' losses. Normalizing by the global token count makes that sum the
+        # global mean loss, so gradients equal the single-device ones.
+        global_tokens = GLOBAL_BATCH * targets.shape[1]
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / global_tokens
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(parallel.parameters(), 1.0)
         optimizer.step()
         global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)  # gloo has no ReduceOp.AVG: sum, then divide
+        dist.all_reduce(global_loss)  # the global mean loss
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         if rank == 0:
-            print(f"step {step}: loss {global_loss.item() / world_size:.4f}  grad norm {grad_norm.item():.4f}")
+            print(f"step {step}: loss {global_loss.item():.4f}  grad norm {grad_norm.item():.4f}")
 
 
 if __name__ == "__main__":
