@@ -151,3 +151,22 @@ def init_matches_reference(rank: int, world_size: int) -> float:
 
 
 __all__ = ["train", "inference_and_state", "init_matches_reference", "global_batches", "reference_model", "math"]
+
+
+def simple_api(rank: int, world_size: int) -> float:
+    """auto_parallel(): DTensor sample inputs carry their placement; outputs as requested."""
+    from torch.distributed.tensor import DTensor
+
+    from autoparallel import auto_parallel
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    batch = global_batches("mlp")[0]
+    sample = DTensor.from_local(_local_rows(batch, mesh), mesh, [Shard(0)], run_check=False)
+    parallel = auto_parallel(
+        build("mlp"), mesh, sample, out_shardings=(Shard(0),), parameter_memory_budget=(None, None), hardware="cpu"
+    )
+    parallel.to_empty(device="cpu")
+    parallel.init_weights(seed=0)
+    output = parallel(_local_rows(batch, mesh))
+    expected = _local_rows(reference_model("mlp")(batch), mesh)
+    return (output - expected).abs().max().item()

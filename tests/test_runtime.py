@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import LR, STEPS, global_batches, inference_and_state, init_matches_reference, reference_model, train
+from runtime_cases import (
+    LR,
+    STEPS,
+    global_batches,
+    inference_and_state,
+    init_matches_reference,
+    reference_model,
+    simple_api,
+    train,
+)
 
 from autoparallel.testing import reference_training, run_distributed
 
@@ -79,3 +88,7 @@ def test_inference_state_dict_and_input_checks():
 
 def test_to_empty_and_init_weights_match_the_original():
     assert max(run_distributed(init_matches_reference, 2, timeout_s=120)) == 0.0
+
+
+def test_simple_api_auto_parallel():
+    assert max(run_distributed(simple_api, 2, timeout_s=120)) < TOLERANCE
