@@ -69,6 +69,7 @@ class JointExecutor:
         self.saved_for_backward = {
             inp for n in self.backward_order for inp in n.all_input_nodes if inp not in backward_set
         } | {g for g in list(joint.param_grads.values()) + list(joint.input_grads.values()) if g not in backward_set}
+        self.saved_for_backward -= set(joint.tangents.values())
         self.inference_order = self._needed_for_outputs()
 
     def _needed_for_outputs(self) -> list[fx.Node]:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel.runtime.executor import JointExecutor, redistribute
+from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
 from autoparallel.shapes import local_shape
 from autoparallel.solver.plan import Plan
 from autoparallel.strategies.types import StrategySpace, placement_str
@@ -101,6 +102,15 @@ class _Runtime:
         self.executor = executor
         self.input_shapes = [tuple(n.meta["val"].shape) for n in joint.user_inputs]
         self.input_dtypes = [n.meta["val"].dtype for n in joint.user_inputs]
+        order = {node: i for i, node in enumerate(joint.graph.nodes)}
+        self.saved_nodes = sorted(executor.saved_for_backward, key=order.__getitem__)
+        self.saved_slots: list[SavedSlot] = []
+        self.output_indices = [i for i, out in enumerate(joint.user_outputs) if out is not None]
+        self.params_with_grad = [name for name in joint.params if name in joint.param_grads]
+        self.inputs_with_grad = sorted(joint.input_grads)
+        self.forward_phase = TracedPhase("forward", self._forward_program)
+        self.backward_phase = TracedPhase("backward", self._backward_program)
+        self.inference_phase = TracedPhase("inference", self._inference_program)
 
     # ------------------------------------------------------------------ inputs
 
@@ -135,84 +145,90 @@ class _Runtime:
         how = ", ".join(parts) if parts else "replicated: every rank gets the whole tensor"
         return f"global shape {shape} with placements {placement_str(placements)}: {how}"
 
-    # ------------------------------------------------------------------ phases
+    # ------------------------------------------------------------------ phase programs
+    # Each program maps flat local tensors to flat local tensors; TracedPhase traces it into
+    # a local graph on first use (see local_graph.py).
 
-    def forward_env(self, module: nn.Module, local_inputs: list[torch.Tensor], params: list[torch.Tensor]) -> dict:
+    def _environment(self, flat: tuple) -> dict[fx.Node, Any]:
         joint, plan, mesh = self.joint, self.plan, self.mesh
+        num_params, num_buffers = len(joint.params), len(joint.buffers)
+        params, buffers, inputs = flat[:num_params], flat[num_params : num_params + num_buffers], flat[num_params + num_buffers :]
         env: dict[fx.Node, Any] = {}
         for (name, node), local in zip(joint.params.items(), params):
             env[node] = DTensor.from_local(local, mesh, plan.param_placements[name], run_check=False)
-        for name, node in joint.buffers.items():
-            buffer = module.get_buffer(name)
-            env[node] = buffer if isinstance(buffer, DTensor) else DTensor.from_local(
-                buffer, mesh, plan.buffer_placements[name], run_check=False
-            )
-        for node, local, placements in zip(joint.user_inputs, local_inputs, plan.input_placements):
+        for (name, node), local in zip(joint.buffers.items(), buffers):
+            env[node] = DTensor.from_local(local, mesh, plan.buffer_placements[name], run_check=False)
+        for node, local, placements in zip(joint.user_inputs, inputs, plan.input_placements):
             env[node] = DTensor.from_local(local, mesh, placements, run_check=False)
         return env
 
-    def outputs(self, env: dict) -> list[torch.Tensor | None]:
-        results = []
-        for output, placements in zip(self.joint.user_outputs, self.plan.output_placements):
-            if output is None:
-                results.append(None)
-                continue
-            results.append(redistribute(env[output], placements).to_local())
-        return results
+    def _outputs(self, env: dict) -> list[torch.Tensor]:
+        return [
+            redistribute(env[output], placements).to_local()
+            for output, placements in zip(self.joint.user_outputs, self.plan.output_placements)
+            if output is not None
+        ]
 
-    def backward(self, env: dict, grad_outputs: tuple) -> tuple[list, list]:
+    def _forward_program(self, *flat: torch.Tensor) -> list[torch.Tensor]:
+        env = self._environment(flat)
+        self.executor.run(env, self.executor.forward_order)
+        saved, self.saved_slots = flatten_saved(env, self.saved_nodes)
+        return self._outputs(env) + saved
+
+    def _inference_program(self, *flat: torch.Tensor) -> list[torch.Tensor]:
+        env = self._environment(flat)
+        self.executor.run(env, self.executor.inference_order)
+        return self._outputs(env)
+
+    def _backward_program(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         joint, plan, mesh = self.joint, self.plan, self.mesh
-        for index, grad in enumerate(grad_outputs):
+        num_saved = len(self.saved_slots)
+        env = rebuild_saved(list(flat[:num_saved]), self.saved_slots, mesh)
+        for index, grad in zip(self.output_indices, flat[num_saved:]):
             tangent = joint.tangents.get(index)
             if tangent is not None:
                 env[tangent] = DTensor.from_local(grad.contiguous(), mesh, plan.output_placements[index], run_check=False)
         self.executor.run(env, self.executor.backward_order)
-        param_grads = []
-        for name in joint.params:
-            grad_node = joint.param_grads.get(name)
-            if grad_node is None:
-                param_grads.append(None)
-                continue
-            param_grads.append(redistribute(env[grad_node], plan.param_placements[name]).to_local())
-        input_grads = []
-        for index, placements in enumerate(plan.input_placements):
-            grad_node = joint.input_grads.get(index)
-            input_grads.append(None if grad_node is None else redistribute(env[grad_node], placements).to_local())
-        return param_grads, input_grads
+        grads = [redistribute(env[joint.param_grads[name]], plan.param_placements[name]).to_local() for name in self.params_with_grad]
+        grads += [redistribute(env[joint.input_grads[i]], plan.input_placements[i]).to_local() for i in self.inputs_with_grad]
+        return grads
 
 
 class _JointFunction(torch.autograd.Function):
-    """Forward phase in ``forward``, backward phase in ``backward``, on local tensors."""
+    """The traced forward phase in ``forward``, the traced backward phase in ``backward``."""
 
     @staticmethod
-    def forward(ctx, runtime: _Runtime, module: nn.Module, num_params: int, *flat: torch.Tensor):
-        params, local_inputs = list(flat[:num_params]), list(flat[num_params:])
-        env = runtime.forward_env(module, local_inputs, params)
-        runtime.executor.run(env, runtime.executor.forward_order)
-        outputs = runtime.outputs(env)
-        keep = runtime.executor.saved_for_backward
+    def forward(ctx, runtime: _Runtime, num_params: int, num_buffers: int, *flat: torch.Tensor):
+        results = runtime.forward_phase(*flat)
+        num_outputs = len(runtime.output_indices)
         ctx.runtime = runtime
-        ctx.env = {node: value for node, value in env.items() if node in keep}
-        ctx.num_params = num_params
-        return tuple(outputs)
+        ctx.counts = (num_params, num_buffers, len(flat) - num_params - num_buffers)
+        ctx.save_for_backward(*results[num_outputs:])
+        return tuple(results[:num_outputs])
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
-        param_grads, input_grads = ctx.runtime.backward(dict(ctx.env), grad_outputs)
-        ctx.env = None
-        return (None, None, None, *param_grads, *input_grads)
+        runtime: _Runtime = ctx.runtime
+        num_params, num_buffers, num_inputs = ctx.counts
+        grads = iter(runtime.backward_phase(*ctx.saved_tensors, *grad_outputs))
+        with_grad = set(runtime.params_with_grad)
+        param_grads = [next(grads) if name in with_grad else None for name in runtime.joint.params]
+        inputs_with_grad = set(runtime.inputs_with_grad)
+        input_grads = [next(grads) if i in inputs_with_grad else None for i in range(num_inputs)]
+        return (None, None, None, *param_grads, *([None] * num_buffers), *input_grads)
 
 
-def _local_parameters(module: nn.Module, names: list[str]) -> list[torch.Tensor]:
+def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.Tensor]:
     locals_ = []
     for name in names:
-        param = module.get_parameter(name)
-        if param.is_meta or (isinstance(param, DTensor) and param.to_local().is_meta):
+        tensor = get(name)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.is_meta:
             raise RuntimeError(
-                f"parameter {name} is still on the meta device: call parallel_model.to_empty(device=...) and "
+                f"{name} is still on the meta device: call parallel_model.to_empty(device=...) and "
                 "initialize it (init_weights() / load_state_dict(...)) before running"
             )
-        locals_.append(param.to_local() if isinstance(param, DTensor) else param)
+        locals_.append(local)
     return locals_
 
 
@@ -220,14 +236,15 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     runtime: _Runtime = self._autoparallel
     leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
     runtime.check_inputs(leaves, spec)
-    names = list(runtime.joint.params)
-    params = _local_parameters(self, names)
-    if not torch.is_grad_enabled():
-        env = runtime.forward_env(self, leaves, params)
-        runtime.executor.run(env, runtime.executor.inference_order)
-        outputs = runtime.outputs(env)
+    params = _local_tensors(self, list(runtime.joint.params), self.get_parameter)
+    buffers = _local_tensors(self, list(runtime.joint.buffers), self.get_buffer)
+    if torch.is_grad_enabled():
+        results = list(_JointFunction.apply(runtime, len(params), len(buffers), *params, *buffers, *leaves))
     else:
-        outputs = list(_JointFunction.apply(runtime, self, len(params), *params, *leaves))
+        results = runtime.inference_phase(*params, *buffers, *leaves)
+    outputs: list[Any] = [None] * len(runtime.joint.user_outputs)
+    for index, value in zip(runtime.output_indices, results):
+        outputs[index] = value
     return tree_unflatten(outputs, runtime.joint.out_spec)
 
 
