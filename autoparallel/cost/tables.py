@@ -68,20 +68,44 @@ class CostTables:
             self.incoming.setdefault(edge.consumer, []).append(edge)
 
 
+@dataclass
+class PriceCache:
+    """Prices already computed in this build, keyed by everything they depend on.
+
+    Repeated layers produce the same (op, shapes, options) over and over; pricing each once
+    is most of the speed of this stage. The mesh shape and topology are fixed for one build,
+    and the cache lives only as long as the build (no state is shared between sessions).
+    """
+
+    compute: dict[tuple, list[float]] = field(default_factory=dict)
+    pairs: dict[tuple, list[tuple[int, int, float, float]]] = field(default_factory=dict)
+    # Strategy lists are shared between nodes that asked the same question, so their
+    # identity is a cheap key; the lists outlive this cache (the StrategySpace holds them).
+    required: dict[tuple, tuple[list, list[int]]] = field(default_factory=dict)
+    option_ids: dict[int, int] = field(default_factory=dict)
+    option_lists: dict[tuple, int] = field(default_factory=dict)
+
+    def canonical(self, options: list) -> int:
+        """One small integer per distinct option list (hashed once per list object)."""
+        found = self.option_ids.get(id(options))
+        if found is None:
+            found = self.option_lists.setdefault(tuple(options), len(self.option_lists))
+            self.option_ids[id(options)] = found
+        return found
+
+
 def build_cost_tables(joint: JointGraph, space: StrategySpace, topology: Topology) -> CostTables:
-    redistribution_prices: dict[tuple, float] = {}
-    compute = {node: _compute_costs(ns, topology) for node, ns in space.nodes.items()}
+    cache = PriceCache()
+    compute = {node: _compute_costs(ns, topology, cache) for node, ns in space.nodes.items()}
     edges: list[EdgeCost] = []
     for node, ns in space.nodes.items():
         for slot, producer in enumerate(ns.input_nodes):
-            dst = [s.inputs[slot] for s in ns.strategies]
-            edges.append(_edge(space[producer], node, slot, "arg", dst, topology, redistribution_prices))
+            edges.append(_edge(space[producer], ns, slot, "arg", topology, cache))
     for boundary, kind in _boundary_edges(joint):
         producer, consumer = boundary
         if producer not in space or consumer not in space:
             continue
-        dst = [s.output for s in space[consumer].strategies]
-        edges.append(_edge(space[producer], consumer, 0, kind, dst, topology, redistribution_prices))
+        edges.append(_edge(space[producer], space[consumer], 0, kind, topology, cache))
     return CostTables(compute_us=compute, edges=edges, topology=topology)
 
 
@@ -104,67 +128,108 @@ def _index(options: list[OutputPlacements]) -> dict[OutputPlacements, int]:
 
 def _edge(
     producer: NodeStrategies,
-    consumer: fx.Node,
+    consumer: NodeStrategies,
     slot: int,
     kind: str,
-    required: list[OutputPlacements],
     topology: Topology,
-    prices: dict[tuple, float],
+    cache: PriceCache,
 ) -> EdgeCost:
+    """Price one edge. ``kind`` "arg" reads the consumer's required input placement of
+    ``slot``; the boundary kinds require the consumer's own output placement."""
     src_options = producer.output_placements()
-    dst_options = list(dict.fromkeys(required))
-    src_index, dst_index = _index(src_options), _index(dst_options)
+    dst_options, dst_of_strategy = _required(consumer, slot if kind == "arg" else None, cache)
     value = producer.node.meta["val"]
-    pairs = []
-    for i, src in enumerate(src_options):
-        for j, dst in enumerate(dst_options):
-            comm = _redistribution(value, src, dst, topology, prices)
-            if math.isfinite(comm):
-                transition = 0.0 if src == dst or is_multi(src) else transition_cost_us(src, dst)
-                pairs.append((i, j, comm, transition))
+    info = TensorInfo(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
+    key = (info, cache.canonical(src_options), cache.canonical(dst_options))
+    pairs = cache.pairs.get(key)
+    if pairs is None:
+        pairs = cache.pairs[key] = _price_pairs(info, src_options, dst_options, topology)
+    src_index = cache.required.get(("src", id(producer.strategies)))
+    if src_index is None:
+        index = _index(src_options)
+        src_index = cache.required[("src", id(producer.strategies))] = ([], [index[s.output] for s in producer.strategies])
     return EdgeCost(
         producer=producer.node,
-        consumer=consumer,
+        consumer=consumer.node,
         slot=slot,
         kind=kind,
         src_options=src_options,
-        src_of_strategy=[src_index[s.output] for s in producer.strategies],
+        src_of_strategy=src_index[1],
         dst_options=dst_options,
-        dst_of_strategy=[dst_index[p] for p in required],
+        dst_of_strategy=dst_of_strategy,
         pairs=pairs,
     )
 
 
-def _redistribution(value: Any, src: OutputPlacements, dst: OutputPlacements, topology: Topology, prices: dict) -> float:
-    if src == dst:
-        return 0.0
-    if is_multi(src) or is_multi(dst) or not isinstance(value, torch.Tensor):
-        return math.inf  # tuples (multi-output values) are never redistributed as a whole
-    info = TensorInfo(tuple(value.shape), value.dtype)
-    key = (info, src, dst)
-    if key not in prices:
-        prices[key] = redistribution_cost_us(info, src, dst, topology)
-    return prices[key]
+def _required(consumer: NodeStrategies, slot: int | None, cache: PriceCache) -> tuple[list, list[int]]:
+    """Distinct placements the consumer requires (on ``slot``, or of its output if None),
+    and the index of each consumer strategy's requirement among them."""
+    key = (id(consumer.strategies), slot)
+    found = cache.required.get(key)
+    if found is None:
+        required = [s.output if slot is None else s.inputs[slot] for s in consumer.strategies]
+        options = list(dict.fromkeys(required))
+        index = _index(options)
+        found = cache.required[key] = (options, [index[p] for p in required])
+    return found
 
 
-def _compute_costs(ns: NodeStrategies, topology: Topology) -> list[float]:
+def _price_pairs(
+    info: TensorInfo | None, src_options: list, dst_options: list, topology: Topology
+) -> list[tuple[int, int, float, float]]:
+    """Feasible (src index, dst index, comm us, transition us) of one edge."""
+    pairs = []
+    for i, src in enumerate(src_options):
+        for j, dst in enumerate(dst_options):
+            if src == dst:
+                pairs.append((i, j, 0.0, 0.0))
+                continue
+            if info is None or is_multi(src) or is_multi(dst):
+                continue  # tuples (multi-output values) are never redistributed as a whole
+            comm = redistribution_cost_us(info, src, dst, topology)
+            if math.isfinite(comm):
+                pairs.append((i, j, comm, transition_cost_us(src, dst)))
+    return pairs
+
+
+def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCache) -> list[float]:
     node = ns.node
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return [0.0] * len(ns.strategies)
+    key = (node.target, _shape_signature(node.args), _shape_signature(node.kwargs), id(ns.strategies))
+    if key in price_cache.compute:
+        return price_cache.compute[key]
     mesh_shape = topology.mesh_shape
     cache: dict[tuple, float] = {}
     costs = []
     for strategy in ns.strategies:
-        key = (strategy.output, strategy.inputs)
+        placement_of: dict[fx.Node, Any] = {}
+        for producer, placements in zip(ns.input_nodes, strategy.inputs):
+            placement_of.setdefault(producer, placements)
+        args, kwargs = _local_args(node, placement_of, mesh_shape)
+        output = _local_value(node.meta["val"], strategy.output, mesh_shape)
+        key = repr((args, kwargs, output))  # strategies with equal local shapes cost the same
         if key not in cache:
-            placement_of: dict[fx.Node, Any] = {}
-            for producer, placements in zip(ns.input_nodes, strategy.inputs):
-                placement_of.setdefault(producer, placements)
-            args, kwargs = _local_args(node, placement_of, mesh_shape)
-            output = _local_value(node.meta["val"], strategy.output, mesh_shape)
             cache[key] = compute_cost_us(node.target, args, kwargs, output, topology.hardware)
         costs.append(cache[key])
+    price_cache.compute[key] = costs
     return costs
+
+
+def _shape_signature(args: Any) -> str:
+    """The args with every tensor replaced by its (shape, dtype): what compute cost reads."""
+
+    def describe(arg: Any) -> Any:
+        if isinstance(arg, fx.Node):
+            value = arg.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                return ("T", tuple(value.shape), str(value.dtype))
+            if isinstance(value, (tuple, list)):
+                return tuple(("T", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else None for v in value)
+            return None
+        return arg
+
+    return repr(tree_map(describe, args))
 
 
 def _local_value(value: Any, placements: Any, mesh_shape: tuple[int, ...]) -> Any:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel.strategies import rules
 from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_strategies
@@ -36,12 +36,17 @@ def build_strategy_space(joint: JointGraph, mesh: DeviceMesh) -> StrategySpace:
     mesh_shape = tuple(mesh.shape)
     space = StrategySpace(nodes={}, mesh_shape=mesh_shape)
     options: dict[fx.Node, list[OutputPlacements]] = {}
+    # Repeated layers ask the same question many times: (op, argument shapes, the options
+    # of each producer) fully determines the answer on this mesh. Local to this build.
+    answers: dict[Any, tuple[list[Strategy], str]] = {}
     for node in joint.graph.nodes:
         if node.op == "output" or not _has_tensor_value(node):
             continue
-        node_strategies = _strategies_for(node, mesh, mesh_shape, options, space)
+        node_strategies = _strategies_for(node, mesh, mesh_shape, options, space, answers)
         space.nodes[node] = node_strategies
-        options[node] = node_strategies.output_placements()
+        shared = answers.setdefault(("outputs", id(node_strategies.strategies)), node_strategies.output_placements())
+        node_strategies._outputs = (node_strategies.strategies, shared)
+        options[node] = shared  # one list object per distinct strategy list: a cheap cache key
     logger.debug("strategy space: %d nodes, %d strategies", len(space.nodes), space.num_strategies)
     return space
 
@@ -64,34 +69,62 @@ def _strategies_for(
     mesh_shape: tuple[int, ...],
     options: dict[fx.Node, list[OutputPlacements]],
     space: StrategySpace,
+    answers: dict[Any, tuple[list[Strategy], str]],
 ) -> NodeStrategies:
     value = node.meta["val"]
     multi = not isinstance(value, torch.Tensor)
     inputs = tensor_inputs(node)
 
     if node.op == "placeholder":
-        placements = rules.all_shard_replicate(value.shape, mesh_shape)
-        return NodeStrategies(node, [], [Strategy(p, ()) for p in placements], "placeholder")
+        key = ("placeholder", tuple(value.shape))
+        if key not in answers:
+            placements = rules.all_shard_replicate(value.shape, mesh_shape)
+            answers[key] = ([Strategy(p, ()) for p in placements], "placeholder")
+        return NodeStrategies(node, [], answers[key][0], "placeholder")
 
     if rules.is_getitem(node):
         producer, index = node.args
-        getitem_strategies = []
-        for out in options[producer]:
-            if out[index] is None:
-                continue
-            getitem_strategies.append(Strategy(out[index], (out,)))
-        return NodeStrategies(node, [producer], getitem_strategies, "getitem")
+        key = ("getitem", id(options[producer]), index)
+        if key not in answers:
+            found = [Strategy(out[index], (out,)) for out in options[producer] if out[index] is not None]
+            answers[key] = (found, "getitem")
+        return NodeStrategies(node, [producer], answers[key][0], "getitem")
 
     if not inputs:
         return NodeStrategies(node, [], [_replicated(node, 0, multi, mesh_shape)], "factory", multi)
 
+    key = _question(node, options)
+    if key in answers:
+        valid, source = answers[key]
+        if source == "fallback":
+            _fallback(node, inputs, multi, mesh_shape, space, "same op and shapes as an earlier fallback")
+        return NodeStrategies(node, inputs, valid, source, multi)
     candidates, source = _candidates(node, mesh, mesh_shape, options, multi, len(inputs))
     valid = [s for s in dict.fromkeys(candidates) if _is_valid(s, node, inputs, mesh_shape)]
     if not valid:
         reason = source if source.startswith("no ") else "every DTensor option shards a dimension unevenly"
         valid = [_fallback(node, inputs, multi, mesh_shape, space, reason)]
         source = "fallback"
+    answers[key] = (valid, source)
     return NodeStrategies(node, inputs, valid, source, multi)
+
+
+def _question(node: fx.Node, options: dict[fx.Node, list[OutputPlacements]]) -> Any:
+    """Everything a node's strategies depend on besides the (fixed) mesh."""
+
+    def describe(arg: Any) -> Any:
+        if not isinstance(arg, fx.Node):
+            return arg
+        value = arg.meta.get("val")
+        meta = (tuple(value.shape), tuple(value.stride()), value.dtype) if isinstance(value, torch.Tensor) else None
+        return ("node", meta, tuple(options[arg]))
+
+    out = node.meta["val"]
+    out_meta = (tuple(out.shape), tuple(out.stride()), out.dtype) if isinstance(out, torch.Tensor) else repr(out)
+    try:
+        return (node.target, repr(tree_map(describe, (node.args, dict(node.kwargs)))), out_meta)
+    except Exception:  # an argument without a stable repr: do not cache this node
+        return object()
 
 
 def _candidates(

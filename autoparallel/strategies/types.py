@@ -41,10 +41,14 @@ class NodeStrategies:
     strategies: list[Strategy]
     source: str
     multi_output: bool = False
+    _outputs: tuple | None = field(default=None, repr=False, compare=False)
 
     def output_placements(self) -> list[OutputPlacements]:
-        """Distinct output placements over all strategies, in first-seen order."""
-        return list(dict.fromkeys(s.output for s in self.strategies))
+        """Distinct output placements over all strategies, in first-seen order (memoized:
+        nodes with equal strategies share one list object, see build_strategy_space)."""
+        if self._outputs is None or self._outputs[0] is not self.strategies:
+            self._outputs = (self.strategies, list(dict.fromkeys(s.output for s in self.strategies)))
+        return self._outputs[1]
 
     def input_placements(self, slot: int) -> list[OutputPlacements]:
         """Distinct placements required on input ``slot``, in first-seen order."""
