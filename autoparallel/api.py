@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel.cost.tables import build_cost_tables
 from autoparallel.runtime.module import apply_placement
+from autoparallel.solver.folding import find_repeated_nodes
 from autoparallel.solver.highs import SolverOptions
 from autoparallel.solver.optimizer import ShardingOptimizer, check_shard_dims, validate_placements
 from autoparallel.solver.plan import Plan
@@ -45,7 +46,9 @@ class AutoParallel:
         mp_policy: torch's MixedPrecisionPolicy; accepted, not yet modelled (a warning says so).
         hardware: a preset name ("h100", "a100", "h200", "b200", "cpu") or a Hardware.
         gpus_per_node: ranks per node, deciding which mesh dims are inter-node.
-        time_limit_s / relative_gap: solver controls.
+        time_limit_s / relative_gap: solver controls (on a time-out the best plan found is
+            returned with a warning).
+        fold: let repeated layers share decision variables (see solver/folding.py).
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class AutoParallel:
         gpus_per_node: int | None = None,
         time_limit_s: float = 300.0,
         relative_gap: float = 1e-4,
+        fold: bool = True,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -74,6 +78,7 @@ class AutoParallel:
         self.mp_policy = mp_policy
         self.topology = Topology.from_mesh(mesh, hardware=hardware, gpus_per_node=gpus_per_node)
         self.solver_options = SolverOptions(time_limit_s=time_limit_s, relative_gap=relative_gap)
+        self.fold = fold
         self.joint: JointGraph | None = None
         self._optimizer: ShardingOptimizer | None = None
         self.stage_times_s: dict[str, float] = {}
@@ -87,7 +92,8 @@ class AutoParallel:
         self.joint = self._timed("trace", lambda: trace_joint(self.model, self.input_fn, device))
         space = self._timed("strategies", lambda: build_strategy_space(self.joint, self.mesh))
         tables = self._timed("cost", lambda: build_cost_tables(self.joint, space, self.topology))
-        problem = self._timed("build", lambda: build_problem(self.joint, space, tables))
+        folding = find_repeated_nodes(self.joint, space) if self.fold else None
+        problem = self._timed("build", lambda: build_problem(self.joint, space, tables, folding))
         self._optimizer = ShardingOptimizer(problem, self.mesh.mesh_dim_names, self.solver_options)
         return self
 

@@ -1,21 +1,37 @@
-"""ShardingOptimizer: the user's handle on the problem (constrain, solve, re-solve).
+"""ShardingOptimizer: the user's handle on the problem (constrain, solve, re-solve, explain).
 
 It owns a Problem and the most recent Plan; it adds no algorithm of its own beyond naming
-constraints. ``AutoParallel.sharding_optimizer`` returns it.
+constraints and discounting overlappable collectives in the objective. Explanations and the
+JSON view are thin delegations to ``explain.py`` and ``report_data.py``.
+``AutoParallel.sharding_optimizer`` returns it.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
+import torch
 import torch.fx as fx
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from autoparallel.explain import log_plan
+from autoparallel.cost.tables import EdgeCost
+from autoparallel.explain import (
+    PlacementExplanation,
+    PlanDiff,
+    cost_matrix,
+    diff_plans,
+    explain_logger,
+    explain_placement,
+    log_placement_explanations,
+    log_plan,
+)
+from autoparallel.report_data import get_json
 from autoparallel.solver.highs import SolverOptions, solve
 from autoparallel.solver.plan import Plan, build_plan
 from autoparallel.solver.problem import Problem
-from autoparallel.strategies.types import Placements
+from autoparallel.strategies.types import OutputPlacements, Placements, is_multi
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +42,8 @@ class ShardingOptimizer:
         self.mesh_dim_names = mesh_dim_names
         self.options = options or SolverOptions()
         self._plan: Plan | None = None
+        self._original_objective: np.ndarray | None = None
+        self.prefetch_scale = 1.0
 
     # ------------------------------------------------------------------ constraints
 
@@ -68,6 +86,64 @@ class ShardingOptimizer:
         if self._plan is None:
             raise RuntimeError("no solution yet: call optimize_placement() (or resolve()) first")
         return self._plan
+
+    # ------------------------------------------------------------------ objective
+
+    def apply_prefetch_discount(self, scale: float) -> int:
+        """Price the collectives that can overlap with compute at ``scale`` times their
+        communication cost, for later :meth:`resolve` calls; returns how many edge prices
+        were discounted.
+
+        Overlappable here means a forward all-gather of a parameter: an edge into a forward
+        node whose producer is a parameter placeholder or a view/transpose chain of one,
+        for the placement pairs that go Shard -> Replicate on some mesh dim (FSDP's
+        prefetched gather). Only the communication part is scaled (the transition
+        tie-breaker stays). The discount is always relative to the *original* prices, so
+        calling with 0.5 twice is 0.5, and 1.0 restores them. ``0 <= scale <= 1``, else
+        ValueError. The plan's ``totals`` keep undiscounted prices; its
+        ``solver.objective`` is the discounted objective.
+        """
+        scale = float(scale)
+        if not 0.0 <= scale <= 1.0:
+            raise ValueError(f"prefetch discount scale must be within [0, 1], got {scale}")
+        if self._original_objective is None or len(self._original_objective) != len(self.problem.objective):
+            self._original_objective = self.problem.objective.copy()
+        objective = self._original_objective.copy()
+        columns, comm_us = prefetchable_columns(self.problem)
+        objective[columns] -= (1.0 - scale) * comm_us
+        self.problem.objective = objective
+        self.prefetch_scale = scale
+        return len(columns)
+
+    # ------------------------------------------------------------------ explanations
+
+    def explain_placement(
+        self, target_placement: Sequence, nodes: Sequence[fx.Node | str] | None = None
+    ) -> list[PlacementExplanation]:
+        """For every node (or ``nodes``), the chosen output placement against
+        ``target_placement`` with both local prices and a status; also logged as a table
+        (logger ``autoparallel.explain``). See :func:`autoparallel.explain.explain_placement`."""
+        plan = self.get_solution()
+        selected = None if nodes is None else [self._node(n) for n in nodes]
+        rows = explain_placement(self.problem, plan, tuple(target_placement), selected)
+        log_placement_explanations(rows)
+        return rows
+
+    def print_costs_for_node(self, node: fx.Node | str, arg: int = 0) -> str:
+        """The redistribution cost matrix (comm us) of ``node``'s input ``arg``: rows are the
+        producer's placements, columns the placements ``node`` can require, ``*`` the pair
+        of the last solution (if any). Returned and logged (logger ``autoparallel.explain``)."""
+        text = str(cost_matrix(self.problem, self._node(node), arg, self._plan))
+        explain_logger.info("%s", text)
+        return text
+
+    def diff_solutions(self, a: Plan, b: Plan) -> PlanDiff:
+        """What changed from plan ``a`` to plan ``b`` (cost deltas, parameters, node moves)."""
+        return diff_plans(a, b)
+
+    def get_json(self) -> dict[str, Any]:
+        """The last solution as JSON-serializable data (schema in ``report_data.py``)."""
+        return get_json(self.problem, self.get_solution())
 
     def _describe(self, node: fx.Node) -> str:
         """A user's name for a node: parameters by their fully-qualified name."""
@@ -115,3 +191,54 @@ def check_shard_dims(placements: Placements, ndim: int, what: str) -> None:
     for placement in placements:
         if isinstance(placement, Shard) and not -ndim <= placement.dim < ndim:
             raise ValueError(f"{what}: Shard({placement.dim}) is out of range for a {ndim}-D tensor")
+
+
+_VIEW_OPS = frozenset(
+    {"t", "view", "_unsafe_view", "reshape", "transpose", "permute", "alias", "detach", "expand", "unsqueeze",
+     "squeeze"}
+)
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        target.overloadpacket.__name__ in _VIEW_OPS
+    )
+
+
+def parameter_views(problem: Problem) -> set[fx.Node]:
+    """Parameter placeholders and the forward view/transpose chains rooted at them (one pass)."""
+    joint = problem.joint
+    found = set(joint.params.values())
+    for node in joint.graph.nodes:
+        if node in joint.forward_nodes and _is_view(node) and node.all_input_nodes:
+            if all(producer in found for producer in node.all_input_nodes):
+                found.add(node)
+    return found
+
+
+def _gathers(src: OutputPlacements, dst: OutputPlacements) -> bool:
+    """Shard -> Replicate on some mesh dim (an all-gather)."""
+    if is_multi(src) or is_multi(dst):
+        return False
+    return any(isinstance(s, Shard) and isinstance(d, Replicate) for s, d in zip(src, dst))
+
+
+def _is_prefetchable(edge: EdgeCost, problem: Problem, sources: set[fx.Node]) -> bool:
+    return edge.kind == "arg" and edge.consumer in problem.joint.forward_nodes and edge.producer in sources
+
+
+def prefetchable_columns(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """(objective columns, comm us) of every forward parameter all-gather pair (see
+    :meth:`ShardingOptimizer.apply_prefetch_discount`)."""
+    sources = parameter_views(problem)
+    columns: list[int] = []
+    comm_us: list[float] = []
+    for edge, edge_columns in zip(problem.tables.edges, problem.edge_columns):
+        if not _is_prefetchable(edge, problem, sources):
+            continue
+        for column, (i, j, comm, _) in zip(edge_columns, edge.pairs):
+            if _gathers(edge.src_options[i], edge.dst_options[j]):
+                columns.append(int(column))
+                comm_us.append(comm)
+    return np.array(columns, dtype=np.int64), np.array(comm_us, dtype=np.float64)

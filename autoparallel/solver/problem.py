@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from autoparallel.cost.tables import CostTables, EdgeCost
 from autoparallel.shapes import local_shape
+from autoparallel.solver.folding import Folding, no_folding
 from autoparallel.strategies.types import OutputPlacements, StrategySpace, placement_str
 from autoparallel.trace import JointGraph
 
@@ -62,6 +63,7 @@ class Problem:
     objective: np.ndarray
     integrality: np.ndarray
     rows: list[Row]
+    folding: Folding | None = None
     user_constraints: dict[str, UserConstraint] = field(default_factory=dict)
 
     @property
@@ -145,7 +147,7 @@ class Problem:
         lower = 0.0 if low is None else float(low)
         if lower > upper:
             raise ValueError(f"parameter memory constraint has low={lower:.0f} B > high={upper:.0f} B")
-        rows = [Row(columns, values / MIB, lower / MIB, upper / MIB)]
+        rows = [_aggregated(Row(columns, values / MIB, lower / MIB, upper / MIB))]
         if upper <= smallest * (1 + 1e-6) + 1.0:
             rows.extend(self._smallest_memory_rows(columns, values))
         description = (
@@ -163,38 +165,57 @@ class Problem:
             mask = np.isin(columns, self.node_columns[node])
             node_values = values[mask]
             wasteful = columns[mask][node_values > node_values.min() * (1 + 1e-9)]
+            wasteful = np.unique(wasteful)  # folded parameters share columns
             if len(wasteful):
                 rows.append(Row(wasteful, np.ones(len(wasteful)), 0.0, 0.0))
         return rows
 
 
-def build_problem(joint: JointGraph, space: StrategySpace, tables: CostTables) -> Problem:
+def build_problem(
+    joint: JointGraph, space: StrategySpace, tables: CostTables, folding: Folding | None = None
+) -> Problem:
+    """The MIP of the stage docstring; with ``folding``, each class of repeated nodes has
+    one set of x columns, edges whose endpoints fold alike share their y columns, and a
+    shared column's cost is the sum over the members it stands for."""
+    folding = folding or no_folding(space)
+    representative = folding.representative
     objective: list[float] = []
     integrality: list[bool] = []
     node_columns: dict[fx.Node, np.ndarray] = {}
     rows: list[Row] = []
 
-    def new_columns(costs: list[float], integral: bool) -> np.ndarray:
+    def new_columns(count: int, integral: bool) -> np.ndarray:
         start = len(objective)
-        objective.extend(costs)
-        integrality.extend([integral] * len(costs))
+        objective.extend([0.0] * count)
+        integrality.extend([integral] * count)
         return np.arange(start, len(objective), dtype=np.int64)
 
-    for node, ns in space.nodes.items():
-        columns = new_columns(tables.compute_us[node], integral=True)
-        node_columns[node] = columns
-        rows.append(Row(columns, np.ones(len(columns)), 1.0, 1.0))
+    for node in space.nodes:
+        rep = representative[node]
+        if rep not in node_columns:
+            node_columns[rep] = new_columns(len(space[rep].strategies), integral=True)
+            rows.append(Row(node_columns[rep], np.ones(len(node_columns[rep])), 1.0, 1.0))
+        columns = node_columns[node] = node_columns[rep]
+        for column, cost in zip(columns, tables.compute_us[node]):
+            objective[column] += cost
 
     edge_columns = []
+    shared_edges: dict[tuple, np.ndarray] = {}
     for edge in tables.edges:
-        columns = new_columns([comm + transition for _, _, comm, transition in edge.pairs], integral=False)
+        key = (representative[edge.producer], representative[edge.consumer], edge.slot, edge.kind, id(edge.pairs))
+        columns = shared_edges.get(key)
+        if columns is None:
+            columns = shared_edges[key] = new_columns(len(edge.pairs), integral=False)
+            rows.extend(_marginal_rows(edge, columns, node_columns))
+        for column, (_, _, comm, transition) in zip(columns, edge.pairs):
+            objective[column] += comm + transition
         edge_columns.append(columns)
-        rows.extend(_marginal_rows(edge, columns, node_columns))
 
     for group in joint.tied_params:
         nodes = [joint.params[name] for name in group if name in joint.params]
         for other in nodes[1:]:
-            rows.extend(_same_placement_rows(space, node_columns, nodes[0], other))
+            if node_columns[nodes[0]] is not node_columns[other]:
+                rows.extend(_same_placement_rows(space, node_columns, nodes[0], other))
 
     problem = Problem(
         joint=joint,
@@ -205,9 +226,21 @@ def build_problem(joint: JointGraph, space: StrategySpace, tables: CostTables) -
         objective=np.array(objective),
         integrality=np.array(integrality, dtype=bool),
         rows=rows,
+        folding=folding,
     )
-    logger.debug("problem: %d variables, %d constraints", problem.num_variables, problem.num_constraints)
+    logger.info(
+        "problem: %d variables, %d constraints (%d nodes in %d classes)",
+        problem.num_variables, problem.num_constraints, len(space.nodes), folding.num_classes,
+    )
     return problem
+
+
+def _aggregated(row: Row) -> Row:
+    """Merge repeated columns (folded nodes share them) by summing their coefficients."""
+    columns, inverse = np.unique(row.columns, return_inverse=True)
+    values = np.zeros(len(columns))
+    np.add.at(values, inverse, row.values)
+    return Row(columns, values, row.lower, row.upper)
 
 
 def _same_placement_rows(

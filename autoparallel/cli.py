@@ -1,0 +1,550 @@
+"""Command line: ``autoparallel plan`` plans a model on a fake mesh and reports the plan.
+
+Nothing is allocated and nothing communicates: the model is built on the meta device and the
+mesh lives on torch's fake process group, so a 64-GPU plan can be made on a laptop. The plan
+is printed as a summary (identical ``layers.N`` groups collapsed into one line) and can be
+written as JSON (``--out``) and as a self-contained HTML page (``--html``).
+
+Contract: :func:`main` returns 0 on success; bad arguments print ONE line on stderr and exit
+with status 2 (argparse's convention), before any tracing starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import re
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, NoReturn, Sequence
+
+__all__ = ["build_parser", "collapse_layers", "main", "summary_lines"]
+
+LLAMA_PRESETS = ("llama3-8b", "llama3-70b", "tiny")
+BUILTIN_MODELS = LLAMA_PRESETS + ("gpt2",)
+DEFAULT_LLAMA_LAYERS = 2
+DEFAULT_MESH_NAMES = ("dp", "tp", "cp", "ep")
+
+_MESH_RE = re.compile(r"^\d+(x\d+)*$")
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+_PLAN_EPILOG = f"""\
+models:
+  llama3-8b, llama3-70b, tiny   the LLaMA-style reference model (autoparallel.models.Llama);
+                                --layers defaults to {DEFAULT_LLAMA_LAYERS} for now, because planning all 32/80
+                                layers is not fast yet (no folding of repeated layers)
+  gpt2                          a small Hugging Face GPT-2 (needs `transformers`)
+  package.module:factory        factory() is called on the meta device and returns either
+                                an nn.Module fed token ids [batch, seq], or
+                                (module, input_fn) with input_fn(batch, seq) -> global inputs
+
+Inputs and outputs whose first dimension is the batch are constrained to be sharded on
+the first mesh dimension, (S(0), R, ...). Costs are printed in microseconds (us).
+
+example:
+  autoparallel plan --model llama3-8b --mesh 8x8 --mesh-names dp,tp --batch 16 \\
+      --seq 8192 --hardware h100 --gpus-per-node 8 --out plan.json --html plan.html
+"""
+
+
+class UsageError(Exception):
+    """A bad command-line value, reported as one line with exit status 2."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but errors are one line on stderr (no usage dump), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="autoparallel", description="Automatic parallelization of PyTorch models.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model on a fake device mesh and report the plan",
+        description="Plan a model on a fake device mesh (nothing is allocated) and report the plan.",
+        epilog=_PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("--model", required=True, help="llama3-8b | llama3-70b | tiny | gpt2 | package.module:factory")
+    plan.add_argument("--mesh", required=True, help="mesh shape, e.g. 8x8 (row-major; the last dim is innermost)")
+    plan.add_argument("--mesh-names", default=None,
+                      help="comma-separated mesh dim names, one per dim (default: dp,tp,cp,ep truncated)")
+    plan.add_argument("--batch", type=int, required=True, help="global batch size (divisible by the first mesh dim)")
+    plan.add_argument("--seq", type=int, required=True, help="sequence length")
+    plan.add_argument("--hardware", default="h100", help="hardware preset (default h100)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, decides inter-node dims (default 8)")
+    plan.add_argument("--layers", type=int, default=None,
+                      help=f"transformer blocks to plan (default {DEFAULT_LLAMA_LAYERS} for llama presets and gpt2: "
+                      "planning every layer is not fast yet)")
+    plan.add_argument("--memory-budget", default="default",
+                      help="parameter memory per device: none, default (as sharded as possible) or bytes "
+                      "(e.g. 2e9, 16GiB)")
+    plan.add_argument("--out", type=Path, default=None, help="write the plan as JSON here")
+    plan.add_argument("--html", type=Path, default=None, help="write a self-contained HTML report here")
+    plan.add_argument("--verbose", action="store_true", help="log every node's decision")
+    return parser
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The validated arguments of ``autoparallel plan``."""
+
+    model: str
+    mesh_shape: tuple[int, ...]
+    mesh_names: tuple[str, ...] | None
+    batch: int
+    seq: int
+    hardware: str
+    gpus_per_node: int
+    layers: int | None
+    memory_budget: str | float | None  # None: no constraint; "default"; or bytes
+    out: Path | None
+    html: Path | None
+    verbose: bool
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    shape_text = text.strip().lower()
+    if not _MESH_RE.match(shape_text):
+        raise UsageError(f"--mesh {text!r} is not a shape like 8 or 8x8 (positive integers joined by 'x')")
+    shape = tuple(int(s) for s in shape_text.split("x"))
+    if any(s < 1 for s in shape):
+        raise UsageError(f"--mesh {text!r}: every mesh dimension must be at least 1")
+    return shape
+
+
+def parse_mesh_names(text: str | None, ndim: int) -> tuple[str, ...] | None:
+    if text is None:
+        return DEFAULT_MESH_NAMES[:ndim] if ndim <= len(DEFAULT_MESH_NAMES) else None
+    names = tuple(n.strip() for n in text.split(","))
+    if len(names) != ndim:
+        raise UsageError(f"--mesh-names gives {len(names)} name(s) ({text}) for a {ndim}-D mesh; give one per dim")
+    if any(not n.isidentifier() for n in names) or len(set(names)) != len(names):
+        raise UsageError(f"--mesh-names {text!r}: names must be distinct identifiers, e.g. dp,tp")
+    return names
+
+
+def parse_memory_budget(text: str) -> str | float | None:
+    key = text.strip().lower()
+    if key == "none":
+        return None
+    if key == "default":
+        return "default"
+    match = _BUDGET_RE.match(key)
+    if not match or match.group(2) not in _BYTE_UNITS:
+        raise UsageError(f"--memory-budget {text!r} is not none, default or a byte count such as 2e9 or 16GiB")
+    value = float(match.group(1)) * _BYTE_UNITS[match.group(2)]
+    if value <= 0:
+        raise UsageError(f"--memory-budget must be positive, got {text!r}")
+    return value
+
+
+def validate(args: argparse.Namespace) -> PlanRequest:
+    """Check everything that can be checked before building the model; UsageError if wrong."""
+    from autoparallel.topology import HARDWARE_PRESETS
+
+    shape = parse_mesh(args.mesh)
+    names = parse_mesh_names(args.mesh_names, len(shape))
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq), ("--gpus-per-node", args.gpus_per_node)):
+        if value < 1:
+            raise UsageError(f"{flag} must be a positive integer, got {value}")
+    if args.layers is not None and args.layers < 1:
+        raise UsageError(f"--layers must be a positive integer, got {args.layers}")
+    hardware = args.hardware.strip().lower()
+    if hardware not in HARDWARE_PRESETS:
+        raise UsageError(f"--hardware {args.hardware!r} is not a known preset; choose one of {', '.join(sorted(HARDWARE_PRESETS))}")
+    if args.batch % shape[0]:
+        raise UsageError(f"--batch {args.batch} is not divisible by the first mesh dim ({shape[0]}), which shards the batch")
+    model = args.model.strip()
+    if model.lower() in BUILTIN_MODELS:
+        model = model.lower()
+    elif ":" not in model:
+        raise UsageError(f"--model {args.model!r} is not one of {', '.join(BUILTIN_MODELS)} or package.module:factory")
+    elif args.layers is not None:
+        raise UsageError("--layers applies to the built-in models only; a factory decides its own depth")
+    layers = args.layers if args.layers is not None or model not in BUILTIN_MODELS else DEFAULT_LLAMA_LAYERS
+    return PlanRequest(model, shape, names, args.batch, args.seq, hardware, args.gpus_per_node, layers,
+                       parse_memory_budget(args.memory_budget), args.out, args.html, args.verbose)
+
+
+# ---------------------------------------------------------------------------- model building
+
+
+def build_model(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
+    """The model on the meta device and an ``input_fn`` giving its global example inputs."""
+    import torch
+
+    if request.model in LLAMA_PRESETS:
+        return _llama(request)
+    if request.model == "gpt2":
+        from autoparallel.models import hf_gpt2
+
+        with torch.device("meta"):
+            model = hf_gpt2(n_layer=request.layers, n_positions=max(128, request.seq))
+        return model, _token_input(request, model.model.config.vocab_size)
+    return _factory_model(request)
+
+
+def _llama(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
+    import torch
+
+    from autoparallel.models import Llama, llama_config
+
+    config = llama_config(request.model, n_layers=request.layers)
+    if request.seq > config.max_seq_len:
+        raise UsageError(f"--seq {request.seq} exceeds {request.model}'s max_seq_len {config.max_seq_len}")
+    with torch.device("meta"):
+        model = Llama(config)
+    return model, _token_input(request, config.vocab_size)
+
+
+def _token_input(request: PlanRequest, vocab_size: int) -> Callable[[], Any]:
+    """Global token ids [batch, seq] (values do not matter: tracing sees shapes only)."""
+    import torch
+
+    def input_fn() -> Any:
+        return torch.randint(0, max(1, vocab_size), (request.batch, request.seq))
+
+    return input_fn
+
+
+def _factory_model(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
+    import torch
+    import torch.nn as nn
+
+    module_name, _, attr = request.model.partition(":")
+    try:
+        factory: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise UsageError(f"--model {request.model!r}: cannot import the factory ({exc})") from None
+    if not callable(factory):
+        raise UsageError(f"--model {request.model!r} is not callable")
+    with torch.device("meta"):
+        built = factory()
+    if isinstance(built, nn.Module):
+        vocab = getattr(getattr(built, "config", None), "vocab_size", None) or getattr(built, "vocab_size", 2)
+        return built, _token_input(request, int(vocab))
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1]):
+        model, make_inputs = built
+        return model, lambda: make_inputs(request.batch, request.seq)
+    raise UsageError(f"--model {request.model!r}: the factory must return an nn.Module or (module, input_fn)")
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+def _batch_constraints(nodes: Sequence[Any], batch: int, ndim: int) -> list[Any]:
+    """(S(0), R, ...) for every tensor whose first dim is the batch; None (free) otherwise."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    sharded = (Shard(0),) + (Replicate(),) * (ndim - 1)
+    out = []
+    for node in nodes:
+        value = node.meta.get("val") if node is not None else None
+        shape = getattr(value, "shape", None)
+        out.append(sharded if shape is not None and len(shape) >= 1 and int(shape[0]) == batch else None)
+    return out
+
+
+def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
+    """Plan on a fake process group; returns (plan JSON dict, Plan). Destroys the group after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autoparallel import AutoParallel
+
+    model, input_fn = build_model(request)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(request.mesh_shape))
+    try:
+        mesh = init_device_mesh("cpu", request.mesh_shape, mesh_dim_names=request.mesh_names)
+        start = time.perf_counter()
+        with AutoParallel(model, input_fn, mesh, hardware=request.hardware, gpus_per_node=request.gpus_per_node) as autop:
+            joint = autop.sharding_optimizer.problem.joint
+            ndim = len(request.mesh_shape)
+            autop.add_input_constraints(_batch_constraints(joint.user_inputs, request.batch, ndim))
+            outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
+            autop.add_output_constraints(_batch_constraints(outputs, request.batch, ndim))
+            if request.memory_budget == "default":
+                autop.add_parameter_memory_constraint()
+            elif request.memory_budget is not None:
+                autop.add_parameter_memory_constraint(high=float(request.memory_budget))
+            plan = autop.optimize_placement(verbose=request.verbose)
+            elapsed = time.perf_counter() - start
+            data = plan_data(autop, plan)
+        data["run"] = _run_info(request, autop.stage_times_s, elapsed)
+        return data, plan
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_info(request: PlanRequest, stage_times_s: Mapping[str, float], elapsed_s: float) -> dict[str, Any]:
+    budget = request.memory_budget
+    return {
+        "model": request.model,
+        "layers": request.layers,
+        "batch": request.batch,
+        "seq": request.seq,
+        "memory_budget": "none" if budget is None else (budget if isinstance(budget, str) else f"{budget:.0f} bytes"),
+        "stage_times_s": {k: round(float(v), 3) for k, v in stage_times_s.items()},
+        "planning_s": round(elapsed_s, 3),
+    }
+
+
+def plan_data(autop: Any, plan: Any) -> dict[str, Any]:
+    """The optimizer's full JSON (``get_json``), or the subset a Plan alone gives."""
+    get_json = getattr(autop.sharding_optimizer, "get_json", None)
+    if get_json is None:
+        return fallback_json(autop, plan)
+    return dict(get_json())
+
+
+def fallback_json(autop: Any, plan: Any) -> dict[str, Any]:
+    """Schema-1 subset from the Plan: mesh, hardware, totals, solver, parameters, I/O, constraints."""
+    from autoparallel.shapes import TensorInfo, local_info
+    from autoparallel.strategies.types import placement_str
+
+    optimizer = autop.sharding_optimizer
+    joint = optimizer.problem.joint
+    topology = autop.topology
+
+    def parameter(name: str) -> dict[str, Any]:
+        value = joint.params[name].meta["val"]
+        placements = plan.param_placements[name]
+        info = TensorInfo.of(value)
+        return {
+            "name": name,
+            "shape": list(info.shape),
+            "dtype": str(info.dtype).removeprefix("torch."),
+            "placements": placement_str(placements),
+            "bytes_per_device": local_info(info, placements, plan.mesh_shape).nbytes,
+            "module": name.rpartition(".")[0],
+        }
+
+    def tensor(index: int, node: Any, placements: Any) -> dict[str, Any]:
+        value = node.meta.get("val") if node is not None else None
+        shape = list(value.shape) if hasattr(value, "shape") else None
+        return {"index": index, "shape": shape, "placements": placement_str(placements)}
+
+    t, s = plan.totals, plan.solver
+    return {
+        "version": 1,
+        "mesh": {"shape": list(plan.mesh_shape), "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names else None},
+        "hardware": {"name": topology.hardware.name, "gpus_per_node": topology.gpus_per_node},
+        "totals": {"total_us": t.total_us, "comm_us": t.comm_us, "compute_us": t.compute_us, "transition_us": t.transition_us},
+        "solver": {"status": s.status, "objective_us": s.objective, "bound_us": s.bound, "gap": s.gap,
+                   "time_s": s.time_s, "num_variables": s.num_variables, "num_constraints": s.num_constraints},
+        "parameters": [parameter(name) for name in plan.param_placements],
+        "inputs": [tensor(i, n, p) for i, (n, p) in enumerate(zip(joint.user_inputs, plan.input_placements))],
+        "outputs": [tensor(i, n, p) for i, (n, p) in enumerate(zip(joint.user_outputs, plan.output_placements))],
+        "fallbacks": list(plan.fallbacks),
+        "constraints": optimizer.constraints(),
+    }
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?[^.]+)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    out: list[str] = []
+    values = sorted(indices)
+    start = prev = values[0]
+    for value in values[1:] + [None]:  # type: ignore[list-item]
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if value is not None:
+            start = prev = value
+    return ",".join(out)
+
+
+def collapse_layers(placements: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Name -> placement lines with ``prefix.N.rest`` groups folded over N.
+
+    Parameters that differ only in their first numeric component and share a placement become
+    one line, e.g. ``layers.0-31.attention.wq.weight  S(0)S(1)``; layers that differ get one
+    line per distinct placement (``layers.0,2-31...`` and ``layers.1...``). Order follows the
+    first occurrence of each group.
+    """
+    groups: OrderedDict[tuple[str, str] | str, OrderedDict[str, list[int]]] = OrderedDict()
+    for name, placement in placements.items():
+        match = _LAYER_RE.match(name)
+        if match is None:
+            groups.setdefault(name, OrderedDict()).setdefault(placement, [])
+            continue
+        key = (match["prefix"], match["rest"])
+        groups.setdefault(key, OrderedDict()).setdefault(placement, []).append(int(match["index"]))
+    lines: list[tuple[str, str]] = []
+    for key, by_placement in groups.items():
+        for placement, indices in by_placement.items():
+            if isinstance(key, str):
+                lines.append((key, placement))
+            else:
+                lines.append((f"{key[0]}.{_ranges(indices)}.{key[1]}", placement))
+    return lines
+
+
+def _fmt_us(value: Any) -> str:
+    return f"{value:,.2f} us" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+
+
+def summary_lines(data: Mapping[str, Any]) -> list[str]:
+    """The human-readable summary of a plan JSON dict (what ``autoparallel plan`` prints)."""
+    lines = _header_lines(data)
+    lines += _parameter_lines(data)
+    lines += _totals_lines(data)
+    lines += _hotspot_lines(data)
+    lines += _solver_lines(data)
+    if data.get("fallbacks"):
+        lines.append(f"replicated for lack of a strategy: {', '.join(map(str, data['fallbacks']))}")
+    return lines
+
+
+def _header_lines(data: Mapping[str, Any]) -> list[str]:
+    mesh = data.get("mesh") or {}
+    shape = list(mesh.get("shape") or [])
+    names = mesh.get("dim_names") or [f"dim{i}" for i in range(len(shape))]
+    hardware = data.get("hardware") or {}
+    run = data.get("run") or {}
+    what = f"{run.get('model', 'model')} ({run.get('layers')} layers)" if run.get("layers") else str(run.get("model", "model"))
+    inputs = f", batch {run['batch']} x seq {run['seq']}" if "batch" in run else ""
+    mesh_text = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
+    return [
+        f"{what}{inputs}, mesh ({mesh_text}), {hardware.get('name', '-')} with {hardware.get('gpus_per_node', '-')} GPUs per node",
+        f"memory budget: {run.get('memory_budget', '-')}",
+    ]
+
+
+def _parameter_lines(data: Mapping[str, Any]) -> list[str]:
+    params = {str(p["name"]): str(p.get("placements")) for p in data.get("parameters") or [] if "name" in p}
+    if not params:
+        return []
+    rows = collapse_layers(params)
+    width = max(len(name) for name, _ in rows)
+    from autoparallel.report.html import format_bytes
+
+    total = sum(p.get("bytes_per_device") or 0 for p in data.get("parameters") or [])
+    header = f"parameter placements (mesh-dim order), {format_bytes(total)} of parameters per device:"
+    return [header] + [f"  {name:<{width}}  {placement}" for name, placement in rows]
+
+
+def _totals_lines(data: Mapping[str, Any]) -> list[str]:
+    t = data.get("totals") or {}
+    if not t:
+        return []
+    comm, compute, transition = (float(t.get(k) or 0.0) for k in ("comm_us", "compute_us", "transition_us"))
+    whole = comm + compute + transition
+    share = (lambda v: f"{100 * v / whole:.1f}%") if whole > 0 else (lambda v: "-")
+    return [
+        f"total cost: {_fmt_us(t.get('total_us'))} per step = comm {_fmt_us(comm)} + compute {_fmt_us(compute)} "
+        f"+ transition {_fmt_us(transition)}",
+        f"share: comm {share(comm)}, compute {share(compute)}, transition {share(transition)}",
+    ]
+
+
+def _hotspot_lines(data: Mapping[str, Any], count: int = 5) -> list[str]:
+    collectives = [c for c in data.get("collectives") or [] if isinstance(c.get("comm_us"), (int, float))]
+    top = sorted(collectives, key=lambda c: -c["comm_us"])[:count]
+    if not top:
+        return []
+    names = list((data.get("mesh") or {}).get("dim_names") or [])
+
+    def dims(c: Mapping[str, Any]) -> str:
+        return ",".join(names[d] if isinstance(d, int) and d < len(names) else str(d) for d in c.get("mesh_dims") or [])
+
+    rows = [
+        (_fmt_us(c["comm_us"]), f"{c.get('kind', '-')} ({dims(c)})", f"{c.get('src', '-')} -> {c.get('dst', '-')}",
+         str(c.get("phase", "-")), f"{c.get('module') or '-'}  ({c.get('consumer', '-')} <- {c.get('producer', '-')})")
+        for c in top
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"top {len(top)} of {len(collectives)} collectives (comm, kind (mesh dims), src -> dst, phase, module):"]
+    for row in rows:
+        lines.append(f"  {row[0]:>{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:<{widths[3]}}  {row[4]}")
+    return lines
+
+
+def _solver_lines(data: Mapping[str, Any]) -> list[str]:
+    s = data.get("solver") or {}
+    lines = []
+    if s:
+        gap = s.get("gap")
+        gap_text = f"{100 * gap:.3f}%" if isinstance(gap, (int, float)) else "-"
+        lines.append(
+            f"solver: status {s.get('status')}, objective {_fmt_us(s.get('objective_us'))}, "
+            f"bound {_fmt_us(s.get('bound_us'))}, gap {gap_text}, time {float(s.get('time_s') or 0):.2f} s, "
+            f"{s.get('num_variables')} variables, {s.get('num_constraints')} constraints"
+        )
+    run = data.get("run") or {}
+    if run.get("stage_times_s"):
+        stages = ", ".join(f"{k} {v:.1f} s" for k, v in run["stage_times_s"].items())
+        lines.append(f"planning took {run.get('planning_s', 0):.1f} s ({stages})")
+    return lines
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def _plan_command(request: PlanRequest) -> int:
+    logging.basicConfig(level=logging.INFO if request.verbose else logging.WARNING, format="%(message)s")
+    data, _ = run_plan(request)
+    print("\n".join(summary_lines(data)))
+    if request.out is not None:
+        from autoparallel.report.html import json_safe
+
+        text = json.dumps(json_safe(data), indent=1, allow_nan=False, default=str)
+        request.out.write_text(text + "\n", encoding="utf-8")
+        print(f"wrote {request.out}")
+    if request.html is not None:
+        from autoparallel.report import write_html
+
+        write_html(data, request.html)
+        print(f"wrote {request.html}")
+    return 0
+
+
+def _check_writable(path: Path | None, flag: str) -> None:
+    if path is not None and not path.parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {path.parent} does not exist")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``autoparallel`` console script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # --help (0) or an argparse error (2, already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        request = validate(args)
+        _check_writable(request.out, "--out")
+        _check_writable(request.html, "--html")
+        return _plan_command(request)
+    except UsageError as exc:
+        print(f"autoparallel {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

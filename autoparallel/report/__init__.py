@@ -1,0 +1,9 @@
+"""Reports on a plan, built from its JSON form (``ShardingOptimizer.get_json()``).
+
+Reports read the plain JSON dict rather than live objects, so a plan saved to disk can be
+rendered again later, on a machine without the model or torch.distributed set up.
+"""
+
+from autoparallel.report.html import render_html, write_html
+
+__all__ = ["render_html", "write_html"]
