@@ -110,7 +110,8 @@ class ShardingOptimizer:
             self._original_objective = self.problem.objective.copy()
         objective = self._original_objective.copy()
         columns, comm_us = prefetchable_columns(self.problem)
-        objective[columns] -= (1.0 - scale) * comm_us
+        # folded edges share columns: accumulate every member's discount (not last-write-wins)
+        np.subtract.at(objective, columns, (1.0 - scale) * comm_us)
         self.problem.objective = objective
         self.prefetch_scale = scale
         return len(columns)

@@ -1,0 +1,102 @@
+"""Planning time of the whole pipeline (trace -> plan) for LLaMA-3 shapes on a fake mesh.
+
+Prints one JSON line: stage times in seconds, problem size before and after folding, the
+objective and the peak RSS. Nothing is allocated for the model (meta device) and nothing
+communicates (fake process group).
+
+    python benchmarks/plan_time.py --model llama3-8b --mesh 8x8
+    python benchmarks/plan_time.py --model llama3-70b --mesh 4x8x8 --layers 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autoparallel import AutoParallel
+from autoparallel.models import Llama, llama_config
+
+
+def unfolded_size(problem) -> tuple[int, int]:
+    """(variables, constraints) the problem would have without folding, without building it."""
+    space, tables = problem.space, problem.tables
+    variables = sum(len(ns.strategies) for ns in space.nodes.values()) + sum(len(e.pairs) for e in tables.edges)
+    constraints = len(space.nodes) + sum(len(e.src_options) + len(e.dst_options) for e in tables.edges)
+    return variables, constraints
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama3-8b", help="llama3-8b, llama3-70b or tiny")
+    parser.add_argument("--mesh", default="8x8")
+    parser.add_argument("--layers", type=int, default=None, help="default: the model's own depth")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--hardware", default="h100")
+    parser.add_argument("--no-fold", action="store_true", help="solve the unreduced problem")
+    parser.add_argument("--time-limit", type=float, default=600.0, help="solver time limit, seconds")
+    args = parser.parse_args()
+
+    shape = tuple(int(s) for s in args.mesh.split("x"))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
+    mesh = init_device_mesh("cpu", shape)
+    overrides = {} if args.layers is None else {"n_layers": args.layers}
+    config = llama_config(args.model, **overrides)
+    with torch.device("meta"):
+        model = Llama(config)
+    batch_sharded = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
+
+    start = time.perf_counter()
+    with AutoParallel(
+        model,
+        lambda: torch.randint(0, config.vocab_size, (args.batch, args.seq)),
+        mesh,
+        hardware=args.hardware,
+        fold=not args.no_fold,
+        time_limit_s=args.time_limit,
+    ) as autop:
+        autop.add_input_constraints([batch_sharded])
+        autop.add_output_constraints([batch_sharded])
+        autop.add_parameter_memory_constraint()
+        plan = autop.optimize_placement()
+        problem = autop.sharding_optimizer.problem
+    total = time.perf_counter() - start
+    stages = autop.stage_times_s
+    variables_before, constraints_before = unfolded_size(problem)
+    print(json.dumps({
+        "model": args.model,
+        "layers": config.n_layers,
+        "mesh": list(shape),
+        "batch": args.batch,
+        "seq": args.seq,
+        "fold": not args.no_fold,
+        "trace_s": round(stages["trace"], 2),
+        "strategies_s": round(stages["strategies"], 2),
+        "cost_s": round(stages["cost"], 2),
+        "build_s": round(stages["build"], 2),
+        "solve_s": round(stages["solve"], 2),
+        "total_s": round(total, 2),
+        "nodes": len(problem.space.nodes),
+        "node_classes": problem.folding.num_classes if problem.folding else len(problem.space.nodes),
+        "variables_before_folding": variables_before,
+        "constraints_before_folding": constraints_before,
+        "variables": problem.num_variables,
+        "constraints": problem.num_constraints,
+        "objective_us": round(plan.solver.objective, 2),
+        "solver_status": plan.solver.status,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
