@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel.cost.tables import build_cost_tables
+from autoparallel.persistence import check_compatible, load_placements, save_placements
 from autoparallel.runtime.module import apply_placement
 from autoparallel.solver.folding import find_repeated_nodes
 from autoparallel.solver.highs import SolverOptions
@@ -139,6 +140,23 @@ class AutoParallel:
         plan = self.sharding_optimizer.resolve(verbose=verbose)
         self.stage_times_s["solve"] = time.perf_counter() - start
         return plan
+
+    def save_placements(self, path: str, plan: Plan | None = None) -> None:
+        """Write the plan's parameter/input/output placements to a small JSON file."""
+        plan = plan or self.sharding_optimizer.get_solution()
+        save_placements(plan, self.sharding_optimizer.problem.joint, path)
+
+    def load_placements(self, path: str) -> list[str]:
+        """Pin the placements saved by :meth:`save_placements` as constraints (after checking
+        the file against this mesh and traced graph); returns the constraint names."""
+        optimizer = self.sharding_optimizer
+        joint = optimizer.problem.joint
+        saved = load_placements(path)
+        check_compatible(saved, tuple(self.mesh.shape), joint, path)
+        names = self.add_input_constraints(saved.inputs) + self.add_output_constraints(saved.outputs)
+        for name, placements in saved.params.items():
+            names.append(optimizer.add_placement_constraint(joint.params[name], placements, f"param:{name}", f"parameter {name}"))
+        return names
 
     def apply_placement(self, plan: Plan | None = None) -> nn.Module:
         """The parallel module for ``plan`` (default: the last solution); see runtime/module.py."""

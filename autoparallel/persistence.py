@@ -1,0 +1,123 @@
+"""Keeping a plan: a small, versioned JSON of its boundary placements.
+
+``save_placements`` writes the placements of every parameter, user input and user output
+(in the seed's notation, ``S(0)R``), the mesh shape and a fingerprint of the traced graph.
+``load_placements`` reads it back and checks it against the current mesh and graph, so a
+training script can pin a plan made elsewhere (a laptop, the CLI) and re-solve in seconds:
+with every boundary fixed, only the interior is left to choose.
+
+The format holds no live torch objects and no pickles; unknown versions are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from autoparallel.solver.plan import Plan
+from autoparallel.strategies.types import Placements, placement_str
+from autoparallel.trace import JointGraph
+
+FORMAT_VERSION = 1
+_TOKEN = re.compile(r"S\((-?\d+)\)|R|P\((\w+)\)")
+
+
+class PlacementFileError(ValueError):
+    """A placements file that does not match this model, mesh or format version."""
+
+
+@dataclass
+class SavedPlacements:
+    mesh_shape: tuple[int, ...]
+    graph_fingerprint: str
+    params: dict[str, Placements]
+    inputs: list[Placements | None]
+    outputs: list[Placements | None]
+
+
+def graph_fingerprint(joint: JointGraph) -> str:
+    """A digest of the joint graph's ops and shapes: equal for the same model and inputs."""
+    digest = hashlib.sha256()
+    for node in joint.graph.nodes:
+        value = node.meta.get("val")
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        target = node.op if node.op in ("placeholder", "output") else str(node.target)
+        digest.update(f"{target}:{shape};".encode())
+    return digest.hexdigest()[:16]
+
+
+def parse_placements(text: str) -> Placements:
+    """``"S(0)R"`` -> ``(Shard(0), Replicate())``; inverse of placement_str."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    placements = []
+    position = 0
+    for match in _TOKEN.finditer(text):
+        if match.start() != position:
+            break
+        position = match.end()
+        if match.group(1) is not None:
+            placements.append(Shard(int(match.group(1))))
+        elif match.group(2) is not None:
+            placements.append(Partial(match.group(2)))
+        else:
+            placements.append(Replicate())
+    if position != len(text) or not placements:
+        raise PlacementFileError(f"cannot read placements {text!r}: expected e.g. 'S(0)R' or 'RS(1)'")
+    return tuple(placements)
+
+
+def save_placements(plan: Plan, joint: JointGraph, path: str | Path) -> None:
+    data = {
+        "format": "autoparallel-placements",
+        "version": FORMAT_VERSION,
+        "mesh_shape": list(plan.mesh_shape),
+        "graph_fingerprint": graph_fingerprint(joint),
+        "params": {name: placement_str(p) for name, p in plan.param_placements.items()},
+        "inputs": [placement_str(p) if p is not None else None for p in plan.input_placements],
+        "outputs": [placement_str(p) if p is not None else None for p in plan.output_placements],
+    }
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load_placements(path: str | Path) -> SavedPlacements:
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise PlacementFileError(f"{path} is not a placements file (invalid JSON: {error})") from error
+    if data.get("format") != "autoparallel-placements":
+        raise PlacementFileError(f"{path} is not an autoparallel placements file")
+    if data.get("version") != FORMAT_VERSION:
+        raise PlacementFileError(
+            f"{path} has format version {data.get('version')}; this autoparallel reads version {FORMAT_VERSION}"
+        )
+
+    def optional(text: str | None) -> Placements | None:
+        return None if text is None else parse_placements(text)
+
+    return SavedPlacements(
+        mesh_shape=tuple(data["mesh_shape"]),
+        graph_fingerprint=data["graph_fingerprint"],
+        params={name: parse_placements(text) for name, text in data["params"].items()},
+        inputs=[optional(t) for t in data["inputs"]],
+        outputs=[optional(t) for t in data["outputs"]],
+    )
+
+
+def check_compatible(saved: SavedPlacements, mesh_shape: tuple[int, ...], joint: JointGraph, path: str | Path) -> None:
+    if tuple(mesh_shape) != saved.mesh_shape:
+        raise PlacementFileError(f"{path} was planned for mesh {saved.mesh_shape}, this mesh is {tuple(mesh_shape)}")
+    fingerprint = graph_fingerprint(joint)
+    if fingerprint != saved.graph_fingerprint:
+        raise PlacementFileError(
+            f"{path} was planned for another graph (fingerprint {saved.graph_fingerprint}, this one {fingerprint}): "
+            "the model, its inputs' shapes or the torch version differ"
+        )
+    unknown = sorted(set(saved.params) - set(joint.params))
+    if unknown:
+        raise PlacementFileError(f"{path} names parameters this model does not have: {unknown[:5]}")
