@@ -4,8 +4,9 @@ Repeated transformer blocks trace into the same run of ops, layer after layer, i
 graph's order. We find that repetition from the graph alone:
 
 1. Each call node gets a signature: op, shapes, and its strategy list (lists are shared
-   exactly between nodes that asked the same strategy question). Forward and backward nodes
-   are handled separately and are never folded together.
+   exactly between nodes that asked the same strategy question). The forward region of the
+   graph and the backward region (from the first node that reads a tangent on) are handled
+   separately and are never folded together.
 2. In each phase the layer *period* p is the shift that makes the most signatures agree
    (``sig[i] == sig[i + p]``); a model without repetition has no such shift.
 3. A pair (i, i + p) is aligned only if it is verified: equal signatures, and every input of
@@ -65,11 +66,12 @@ def find_repeated_nodes(joint: JointGraph, space: StrategySpace, min_repeats: in
             parent[root_b] = root_a
 
     calls = [n for n in space.nodes if n.op == "call_function"]
-    for phase_nodes in (
-        [n for n in calls if n in joint.forward_nodes],
-        [n for n in calls if n not in joint.forward_nodes],
-    ):
-        for a, b in _verified_pairs(phase_nodes, space):
+    # Phases by graph region: everything from the first tangent-dependent node on is the
+    # backward region (it also holds forward-only helpers such as transposed weights that
+    # the backward reads), so each region keeps one clean layer period.
+    first_backward = next((i for i, n in enumerate(calls) if n not in joint.forward_nodes), len(calls))
+    for phase_nodes in (calls[:first_backward], calls[first_backward:]):
+        for a, b in _verified_pairs(phase_nodes, space, joint.forward_nodes):
             union(a, b)
             for input_a, input_b in zip(space[a].input_nodes, space[b].input_nodes):
                 if input_a is not input_b and input_a.op == "placeholder" and _same_placeholder_kind(input_a, input_b, joint, space):
@@ -92,13 +94,13 @@ def find_repeated_nodes(joint: JointGraph, space: StrategySpace, min_repeats: in
     return folding
 
 
-def _signature(node: fx.Node, space: StrategySpace) -> tuple:
+def _signature(node: fx.Node, space: StrategySpace, forward: bool) -> tuple:
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
         shape: object = (tuple(value.shape), value.dtype)
     else:
         shape = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in value)
-    return (node.target, shape, id(space[node].strategies), len(space[node].input_nodes))
+    return (node.target, shape, id(space[node].strategies), len(space[node].input_nodes), forward)
 
 
 def _period(signatures: list[tuple]) -> int | None:
@@ -116,8 +118,8 @@ def _period(signatures: list[tuple]) -> int | None:
     return best if votes[best] >= 2 else None
 
 
-def _verified_pairs(nodes: list[fx.Node], space: StrategySpace) -> list[tuple[fx.Node, fx.Node]]:
-    signatures = [_signature(n, space) for n in nodes]
+def _verified_pairs(nodes: list[fx.Node], space: StrategySpace, forward_nodes: set) -> list[tuple[fx.Node, fx.Node]]:
+    signatures = [_signature(n, space, n in forward_nodes) for n in nodes]
     period = _period(signatures)
     if period is None:
         return []
