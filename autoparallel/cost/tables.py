@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.redistribution import redistribution_cost_us, transition_cost_us
@@ -196,23 +196,29 @@ def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCac
     node = ns.node
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return [0.0] * len(ns.strategies)
-    key = (node.target, _shape_signature(node.args), _shape_signature(node.kwargs), id(ns.strategies))
-    if key in price_cache.compute:
-        return price_cache.compute[key]
+    node_key = (node.target, _shape_signature(node.args), _shape_signature(node.kwargs), id(ns.strategies))
+    if node_key in price_cache.compute:
+        return price_cache.compute[node_key]
     mesh_shape = topology.mesh_shape
-    cache: dict[tuple, float] = {}
+    leaves, spec = tree_flatten((node.args, dict(node.kwargs)))
+    output_value = node.meta["val"]
+    by_local_shapes: dict[tuple, float] = {}
     costs = []
     for strategy in ns.strategies:
         placement_of: dict[fx.Node, Any] = {}
         for producer, placements in zip(ns.input_nodes, strategy.inputs):
             placement_of.setdefault(producer, placements)
-        args, kwargs = _local_args(node, placement_of, mesh_shape)
-        output = _local_value(node.meta["val"], strategy.output, mesh_shape)
-        key = repr((args, kwargs, output))  # strategies with equal local shapes cost the same
-        if key not in cache:
-            cache[key] = compute_cost_us(node.target, args, kwargs, output, topology.hardware)
-        costs.append(cache[key])
-    price_cache.compute[key] = costs
+        local_leaves = [
+            _local_value(leaf.meta.get("val"), placement_of[leaf], mesh_shape) if isinstance(leaf, fx.Node) else leaf
+            for leaf in leaves
+        ]
+        output = _local_value(output_value, strategy.output, mesh_shape)
+        shapes_key = (tuple(x for x in local_leaves if isinstance(x, (TensorInfo, tuple))), output)
+        if shapes_key not in by_local_shapes:  # strategies with equal local shapes cost the same
+            args, kwargs = spec.unflatten(local_leaves)
+            by_local_shapes[shapes_key] = compute_cost_us(node.target, args, kwargs, output, topology.hardware)
+        costs.append(by_local_shapes[shapes_key])
+    price_cache.compute[node_key] = costs
     return costs
 
 
@@ -239,18 +245,3 @@ def _local_value(value: Any, placements: Any, mesh_shape: tuple[int, ...]) -> An
         multi = placements if is_multi(placements) else [placements] * len(value)
         return tuple(_local_value(v, p, mesh_shape) if p is not None else None for v, p in zip(value, multi))
     return value
-
-
-def _local_args(node: fx.Node, placement_of: dict[fx.Node, Any], mesh_shape: tuple[int, ...]) -> tuple[tuple, dict]:
-    """The node's args with every input tensor replaced by its local TensorInfo.
-
-    If one producer feeds several slots with different placements the first slot's placement
-    is used: only the shapes matter here and they rarely differ.
-    """
-
-    def localize(arg: Any) -> Any:
-        if isinstance(arg, fx.Node):
-            return _local_value(arg.meta.get("val"), placement_of[arg], mesh_shape)
-        return arg
-
-    return tree_map(localize, node.args), tree_map(localize, dict(node.kwargs))
