@@ -28,7 +28,7 @@ from autoparallel.explain import (
     log_plan,
 )
 from autoparallel.report_data import get_json
-from autoparallel.solver.highs import SolverOptions, solve
+from autoparallel.solver.highs import Solution, SolverOptions, solve
 from autoparallel.solver.plan import Plan, build_plan
 from autoparallel.solver.problem import Problem
 from autoparallel.strategies.types import OutputPlacements, Placements, is_multi
@@ -42,6 +42,7 @@ class ShardingOptimizer:
         self.mesh_dim_names = mesh_dim_names
         self.options = options or SolverOptions()
         self._plan: Plan | None = None
+        self._solution: Solution | None = None
         self._original_objective: np.ndarray | None = None
         self.prefetch_scale = 1.0
 
@@ -78,9 +79,30 @@ class ShardingOptimizer:
 
     def resolve(self, verbose: bool = False) -> Plan:
         solution = solve(self.problem, self.options)
+        self._solution = solution
         self._plan = build_plan(self.problem, solution, self.mesh_dim_names)
         log_plan(self._plan, logging.INFO if verbose else logging.DEBUG)
         return self._plan
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, path: str) -> None:
+        """Write the whole problem (and the last solution) to ``path`` (.npz, versioned, no
+        pickle): :meth:`load` can inspect, constrain and re-solve it without the model."""
+        from autoparallel.problem_io import save_problem
+
+        save_problem(self.problem, self.mesh_dim_names, path, self._solution)
+
+    @classmethod
+    def load(cls, path: str, options: SolverOptions | None = None) -> "ShardingOptimizer":
+        from autoparallel.problem_io import load_problem
+
+        problem, names, solution = load_problem(path)
+        optimizer = cls(problem, names, options)
+        if solution is not None:
+            optimizer._solution = solution
+            optimizer._plan = build_plan(problem, solution, names)
+        return optimizer
 
     def get_solution(self) -> Plan:
         if self._plan is None:

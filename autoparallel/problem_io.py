@@ -1,0 +1,362 @@
+"""Saving and loading a whole optimization problem, to inspect and re-solve it anywhere.
+
+A saved problem holds everything the solver and the plan tools read — the graph's nodes
+(names, ops, shapes, roles), their strategies and compute prices, the priced edges, the
+structural rows, the user's named constraints, the folding and the last solution — and
+nothing live: placements are strings in the seed's notation, arrays are numpy, metadata is
+JSON, all in one ``.npz`` file (no pickle). Loading rebuilds a stand-in FX graph of the same
+node names and shapes (on the meta device) so that every tool that reads a Problem works
+unchanged, without the model's code, a process group or a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import operator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autoparallel.cost.tables import CostTables, EdgeCost
+from autoparallel.persistence import PlacementFileError, parse_placements
+from autoparallel.solver.folding import Folding
+from autoparallel.solver.highs import Solution, SolverStats
+from autoparallel.solver.problem import Problem, Row, UserConstraint
+from autoparallel.strategies.types import NodeStrategies, Strategy, StrategySpace, is_multi, placement_str
+from autoparallel.topology import Hardware, Topology
+from autoparallel.trace import JointGraph
+
+FORMAT = "autoparallel-problem"
+VERSION = 1
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def save_problem(
+    problem: Problem, mesh_dim_names: tuple[str, ...] | None, path: str | Path, solution: Solution | None = None
+) -> None:
+    registry = _Registry()
+    joint, space, tables = problem.joint, problem.space, problem.tables
+    nodes = [_node_record(node, ns, joint, tables, problem, registry) for node, ns in space.nodes.items()]
+    edges = [_edge_record(edge, columns, registry) for edge, columns in zip(tables.edges, problem.edge_columns)]
+    topology = tables.topology
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "mesh_shape": list(space.mesh_shape),
+        "mesh_dim_names": list(mesh_dim_names) if mesh_dim_names else None,
+        "hardware": dataclasses.asdict(topology.hardware),
+        "gpus_per_node": topology.gpus_per_node,
+        "strategy_lists": registry.strategy_lists,
+        "compute_lists": registry.compute_lists,
+        "pair_tables": registry.pair_tables,
+        "nodes": nodes,
+        "edges": edges,
+        "roles": _roles(joint),
+        "fallbacks": list(space.fallbacks),
+        "folding": {n.name: r.name for n, r in problem.folding.representative.items()} if problem.folding else None,
+        "user_constraints": [_constraint_record(c) for c in problem.user_constraints.values()],
+        "choice": {node.name: index for node, index in solution.choice.items()} if solution else None,
+        "solver": dataclasses.asdict(solution.stats) if solution else None,
+    }
+    rows = _pack_rows(problem.rows)
+    with open(path, "wb") as handle:
+        np.savez_compressed(
+            handle,
+            meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+            objective=problem.objective,
+            integrality=problem.integrality,
+            **{f"rows_{k}": v for k, v in rows.items()},
+        )
+
+
+class _Registry:
+    """Shared lists (strategies, prices, pair tables) are stored once and referenced by id."""
+
+    def __init__(self) -> None:
+        self.strategy_lists: list = []
+        self.compute_lists: list = []
+        self.pair_tables: list = []
+        self._ids: dict[tuple[str, int], int] = {}
+
+    def ref(self, kind: str, value: list, encode) -> int:
+        key = (kind, id(value))
+        if key not in self._ids:
+            store = getattr(self, kind)
+            self._ids[key] = len(store)
+            store.append(encode(value))
+        return self._ids[key]
+
+
+def _encode_placements(placements: Any) -> Any:
+    if placements is None:
+        return None
+    if is_multi(placements):
+        return [_encode_placements(p) for p in placements]
+    return placement_str(placements)
+
+
+def _encode_strategies(strategies: list[Strategy]) -> list:
+    return [[_encode_placements(s.output), [_encode_placements(p) for p in s.inputs]] for s in strategies]
+
+
+def _shape_record(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+    if isinstance(value, (tuple, list)):
+        return [_shape_record(v) for v in value]
+    return None
+
+
+def _node_record(node: fx.Node, ns: NodeStrategies, joint: JointGraph, tables: CostTables, problem: Problem, registry: _Registry) -> dict:
+    columns = problem.node_columns[node]
+    return {
+        "name": node.name,
+        "op": node.op,
+        "target": str(node.target),
+        "value": _shape_record(node.meta.get("val")),
+        "forward": node in joint.forward_nodes,
+        "inputs": [n.name for n in ns.input_nodes],
+        "source": ns.source,
+        "strategies": registry.ref("strategy_lists", ns.strategies, _encode_strategies),
+        "compute": registry.ref("compute_lists", tables.compute_us[node], list),
+        "columns": [int(columns[0]), len(columns)],
+    }
+
+
+def _edge_record(edge: EdgeCost, columns: np.ndarray, registry: _Registry) -> dict:
+    return {
+        "producer": edge.producer.name,
+        "consumer": edge.consumer.name,
+        "slot": edge.slot,
+        "kind": edge.kind,
+        "src_options": [_encode_placements(p) for p in edge.src_options],
+        "src_of_strategy": list(edge.src_of_strategy),
+        "dst_options": [_encode_placements(p) for p in edge.dst_options],
+        "dst_of_strategy": list(edge.dst_of_strategy),
+        "pairs": registry.ref("pair_tables", edge.pairs, lambda pairs: [list(p) for p in pairs]),
+        "columns": [int(columns[0]), len(columns)] if len(columns) else [0, 0],
+    }
+
+
+def _roles(joint: JointGraph) -> dict:
+    def name(node: fx.Node | None) -> str | None:
+        return node.name if node is not None else None
+
+    return {
+        "params": {k: v.name for k, v in joint.params.items()},
+        "buffers": {k: v.name for k, v in joint.buffers.items()},
+        "user_inputs": [n.name for n in joint.user_inputs],
+        "tangents": {str(k): v.name for k, v in joint.tangents.items()},
+        "user_outputs": [name(n) for n in joint.user_outputs],
+        "param_grads": {k: v.name for k, v in joint.param_grads.items()},
+        "input_grads": {str(k): v.name for k, v in joint.input_grads.items()},
+        "tied_params": joint.tied_params,
+    }
+
+
+def _constraint_record(constraint: UserConstraint) -> dict:
+    return {
+        "name": constraint.name,
+        "description": constraint.description,
+        "rows": [[r.columns.tolist(), r.values.tolist(), r.lower, r.upper] for r in constraint.rows],
+    }
+
+
+def _pack_rows(rows: list[Row]) -> dict[str, np.ndarray]:
+    starts = np.zeros(len(rows) + 1, dtype=np.int64)
+    starts[1:] = np.cumsum([len(r.columns) for r in rows])
+    return {
+        "starts": starts,
+        "columns": np.concatenate([r.columns for r in rows]) if rows else np.zeros(0, np.int64),
+        "values": np.concatenate([r.values for r in rows]) if rows else np.zeros(0),
+        "lower": np.array([r.lower for r in rows]),
+        "upper": np.array([r.upper for r in rows]),
+    }
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Solution | None]:
+    """(problem, mesh dim names, the saved solution or None) from :func:`save_problem`."""
+    try:
+        archive = np.load(path, allow_pickle=False)
+        meta = json.loads(archive["meta"].tobytes().decode())
+    except Exception as error:
+        raise PlacementFileError(f"{path} is not a saved autoparallel problem: {error}") from error
+    if meta.get("format") != FORMAT:
+        raise PlacementFileError(f"{path} is not a saved autoparallel problem")
+    if meta.get("version") != VERSION:
+        raise PlacementFileError(f"{path} has problem format version {meta.get('version')}; this autoparallel reads {VERSION}")
+
+    graph = fx.Graph()
+    by_name: dict[str, fx.Node] = {}
+    strategy_lists = [_decode_strategies(s) for s in meta["strategy_lists"]]
+    space = StrategySpace(nodes={}, mesh_shape=tuple(meta["mesh_shape"]), fallbacks=list(meta["fallbacks"]))
+    compute: dict[fx.Node, list[float]] = {}
+    node_columns: dict[fx.Node, np.ndarray] = {}
+    forward: set[fx.Node] = set()
+    for record in meta["nodes"]:
+        inputs = [by_name[n] for n in record["inputs"]]
+        node = _stand_in_node(graph, record, inputs)
+        by_name[record["name"]] = node
+        if record["forward"]:
+            forward.add(node)
+        space.nodes[node] = NodeStrategies(node, inputs, strategy_lists[record["strategies"]], record["source"], is_multi_value(record))
+        compute[node] = meta["compute_lists"][record["compute"]]
+        start, count = record["columns"]
+        node_columns[node] = np.arange(start, start + count, dtype=np.int64)
+
+    pair_tables = [[tuple(p) for p in table] for table in meta["pair_tables"]]
+    edges, edge_columns = [], []
+    for record in meta["edges"]:
+        edges.append(
+            EdgeCost(
+                producer=by_name[record["producer"]],
+                consumer=by_name[record["consumer"]],
+                slot=record["slot"],
+                kind=record["kind"],
+                src_options=[_decode_placements(p) for p in record["src_options"]],
+                src_of_strategy=record["src_of_strategy"],
+                dst_options=[_decode_placements(p) for p in record["dst_options"]],
+                dst_of_strategy=record["dst_of_strategy"],
+                pairs=pair_tables[record["pairs"]],
+            )
+        )
+        start, count = record["columns"]
+        edge_columns.append(np.arange(start, start + count, dtype=np.int64))
+
+    hardware = Hardware(**meta["hardware"])
+    topology = Topology(tuple(meta["mesh_shape"]), hardware, meta["gpus_per_node"])
+    tables = CostTables(compute_us=compute, edges=edges, topology=topology)
+    joint = _joint(meta["roles"], by_name, graph, forward)
+    folding = Folding({by_name[n]: by_name[r] for n, r in meta["folding"].items()}) if meta["folding"] else None
+    problem = Problem(
+        joint=joint,
+        space=space,
+        tables=tables,
+        node_columns=node_columns,
+        edge_columns=edge_columns,
+        objective=np.asarray(archive["objective"], dtype=np.float64),
+        integrality=np.asarray(archive["integrality"], dtype=bool),
+        rows=_unpack_rows(archive),
+        folding=folding,
+    )
+    for record in meta["user_constraints"]:
+        rows = [Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi) for c, v, lo, hi in record["rows"]]
+        problem.add_constraint(UserConstraint(record["name"], record["description"], rows))
+    solution = None
+    if meta["choice"]:
+        choice = {by_name[n]: i for n, i in meta["choice"].items()}
+        solution = Solution(choice=choice, stats=SolverStats(**meta["solver"]))
+    names = tuple(meta["mesh_dim_names"]) if meta["mesh_dim_names"] else None
+    return problem, names, solution
+
+
+def is_multi_value(record: dict) -> bool:
+    return isinstance(record["value"], list)
+
+
+def _decode_placements(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return tuple(_decode_placements(v) for v in value)
+    return parse_placements(value)
+
+
+def _decode_strategies(encoded: list) -> list[Strategy]:
+    return [Strategy(_decode_placements(out), tuple(_decode_placements(p) for p in ins)) for out, ins in encoded]
+
+
+def _meta_value(record: Any) -> Any:
+    if record is None:
+        return None
+    if isinstance(record, list):
+        return tuple(_meta_value(r) for r in record)
+    return torch.empty(record["shape"], dtype=getattr(torch, record["dtype"]), device="meta")
+
+
+def _stand_in_node(graph: fx.Graph, record: dict, inputs: list[fx.Node]) -> fx.Node:
+    """A node with the saved name, op name, inputs and a meta-device value: enough for every
+    reader of a Problem (it cannot run)."""
+    if record["op"] == "placeholder":
+        node = graph.placeholder(record["name"])
+    else:
+        node = graph.create_node("call_function", _target(record["target"]), tuple(inputs), name=record["name"])
+    node.meta["val"] = _meta_value(record["value"])
+    return node
+
+
+def _target(text: str) -> Any:
+    """The op a saved target string names (``aten.mm.default``), or a named stand-in."""
+    if text == str(operator.getitem):
+        return operator.getitem
+    parts = text.split(".")
+    if len(parts) == 3:
+        namespace, name, overload = parts
+        try:
+            return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        except (AttributeError, RuntimeError):
+            pass
+    return _NamedTarget(text)
+
+
+class _NamedTarget:
+    """A callable placeholder for an op this process does not know; it only keeps a name."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self.name} comes from a saved problem and cannot run")
+
+    def __str__(self) -> str:
+        return self.name
+
+    __repr__ = __str__
+
+
+def _joint(roles: dict, by_name: dict[str, fx.Node], graph: fx.Graph, forward: set[fx.Node]) -> JointGraph:
+    def node(name: str | None) -> fx.Node | None:
+        return by_name.get(name) if name is not None else None
+
+    holder = _GraphHolder(graph)
+    return JointGraph(
+        graph_module=holder,  # type: ignore[arg-type]  # a loaded graph cannot run
+        fake_mode=None,
+        params={k: by_name[v] for k, v in roles["params"].items()},
+        buffers={k: by_name[v] for k, v in roles["buffers"].items()},
+        user_inputs=[by_name[n] for n in roles["user_inputs"]],
+        tangents={int(k): by_name[v] for k, v in roles["tangents"].items()},
+        user_outputs=[node(n) for n in roles["user_outputs"]],
+        param_grads={k: by_name[v] for k, v in roles["param_grads"].items()},
+        input_grads={int(k): by_name[v] for k, v in roles["input_grads"].items()},
+        forward_nodes=forward,
+        in_spec=None,  # type: ignore[arg-type]
+        out_spec=None,  # type: ignore[arg-type]
+        device=torch.device("meta"),
+        tied_params=[list(group) for group in roles["tied_params"]],
+    )
+
+
+class _GraphHolder:
+    """Stands in for the GraphModule of a loaded problem: it only carries the graph."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+
+
+def _unpack_rows(archive: Any) -> list[Row]:
+    starts, columns, values = archive["rows_starts"], archive["rows_columns"], archive["rows_values"]
+    lower, upper = archive["rows_lower"], archive["rows_upper"]
+    return [
+        Row(columns[starts[i] : starts[i + 1]].astype(np.int64), values[starts[i] : starts[i + 1]].astype(np.float64), float(lower[i]), float(upper[i]))
+        for i in range(len(lower))
+    ]
