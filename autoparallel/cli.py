@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
+from autoparallel import cli_saved
+
 __all__ = ["build_parser", "collapse_layers", "main", "summary_lines"]
 
 LLAMA_PRESETS = ("llama3-8b", "llama3-70b", "tiny")
@@ -95,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "(e.g. 2e9, 16GiB)")
     plan.add_argument("--out", type=Path, default=None, help="write the plan as JSON here")
     plan.add_argument("--html", type=Path, default=None, help="write a self-contained HTML report here")
+    plan.add_argument("--save", type=Path, default=None,
+                      help="save the whole problem and its solution (.npz) for `autoparallel explain/diff`")
     plan.add_argument("--verbose", action="store_true", help="log every node's decision")
+    cli_saved.add_commands(commands)
     return parser
 
 
@@ -115,6 +120,7 @@ class PlanRequest:
     out: Path | None
     html: Path | None
     verbose: bool
+    save: Path | None = None
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -178,7 +184,7 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         raise UsageError("--layers applies to the built-in models only; a factory decides its own depth")
     layers = args.layers if args.layers is not None or model not in BUILTIN_MODELS else DEFAULT_LLAMA_LAYERS
     return PlanRequest(model, shape, names, args.batch, args.seq, hardware, args.gpus_per_node, layers,
-                       parse_memory_budget(args.memory_budget), args.out, args.html, args.verbose)
+                       parse_memory_budget(args.memory_budget), args.out, args.html, args.verbose, args.save)
 
 
 # ---------------------------------------------------------------------------- model building
@@ -287,6 +293,8 @@ def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
                 autop.add_parameter_memory_constraint(high=float(request.memory_budget))
             plan = autop.optimize_placement(verbose=request.verbose)
             elapsed = time.perf_counter() - start
+            if request.save is not None:
+                autop.sharding_optimizer.save(str(request.save))
             data = plan_data(autop, plan)
         data["run"] = _run_info(request, autop.stage_times_s, elapsed)
         return data, plan
@@ -521,6 +529,8 @@ def _plan_command(request: PlanRequest) -> int:
 
         write_html(data, request.html)
         print(f"wrote {request.html}")
+    if request.save is not None:
+        print(f"wrote {request.save}")
     return 0
 
 
@@ -537,11 +547,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or an argparse error (2, already printed)
         return exc.code if isinstance(exc.code, int) else 2
     try:
+        if args.command != "plan":
+            return cli_saved.run(args)
         request = validate(args)
         _check_writable(request.out, "--out")
         _check_writable(request.html, "--html")
+        _check_writable(request.save, "--save")
         return _plan_command(request)
-    except UsageError as exc:
+    except (UsageError, cli_saved.SavedUsageError) as exc:
         print(f"autoparallel {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
