@@ -19,8 +19,12 @@ venv: $(VENV)/.installed
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
+# Plans 2 layers of LLaMA-3-8B on a fake (2, 4) mesh with every parameter listed, then all
+# 32 layers on a fake (8, 8) mesh with the `autoparallel` command, writing plan.html.
 demo: $(VENV)/.installed
 	$(PY) examples/plan_llama.py
+	$(VENV)/bin/autoparallel plan --model llama3-8b --mesh 8x8 --mesh-names dp,tp \
+		--batch 8 --seq 2048 --layers 32 --html plan.html
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -7,7 +7,6 @@ and full (gathered) tensors that the test compares with the single-process refer
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from typing import Any
@@ -150,7 +149,7 @@ def init_matches_reference(rank: int, world_size: int) -> float:
     return max((gathered[name] - p).abs().max().item() for name, p in reference.named_parameters())
 
 
-__all__ = ["train", "inference_and_state", "init_matches_reference", "global_batches", "reference_model", "math"]
+__all__ = ["train", "inference_and_state", "init_matches_reference", "global_batches", "reference_model", "simple_api"]
 
 
 def simple_api(rank: int, world_size: int) -> float:

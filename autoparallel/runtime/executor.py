@@ -18,6 +18,7 @@ Each node is evaluated on DTensors carrying the planned placements:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ class JointExecutor:
         if node.target is operator.getitem:
             producer, index = node.args
             return env[producer][index]
-        slot_counter = iter(range(10**9))
+        slot_counter = itertools.count()  # tensor inputs in flatten order = plan slots
 
         def prepare(arg: Any) -> Any:
             if not isinstance(arg, fx.Node):
