@@ -93,7 +93,7 @@ class AutoParallel:
         self.joint = self._timed("trace", lambda: trace_joint(self.model, self.input_fn, device))
         space = self._timed("strategies", lambda: build_strategy_space(self.joint, self.mesh))
         tables = self._timed("cost", lambda: build_cost_tables(self.joint, space, self.topology))
-        folding = find_repeated_nodes(self.joint, space) if self.fold else None
+        folding = self._timed("fold", lambda: find_repeated_nodes(self.joint, space)) if self.fold else None
         problem = self._timed("build", lambda: build_problem(self.joint, space, tables, folding))
         self._optimizer = ShardingOptimizer(problem, self.mesh.mesh_dim_names, self.solver_options)
         return self

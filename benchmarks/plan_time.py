@@ -82,6 +82,7 @@ def main() -> None:
         "trace_s": round(stages["trace"], 2),
         "strategies_s": round(stages["strategies"], 2),
         "cost_s": round(stages["cost"], 2),
+        "fold_s": round(stages.get("fold", 0.0), 2),
         "build_s": round(stages["build"], 2),
         "solve_s": round(stages["solve"], 2),
         "total_s": round(total, 2),
