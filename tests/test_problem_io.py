@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import meta
-from planning import Replicate, Shard
+from planning import Shard
 
 from autoparallel import AutoParallel
 from autoparallel.models import Llama, llama_config

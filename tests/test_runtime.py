@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from runtime_cases import (
     LR,
     STEPS,

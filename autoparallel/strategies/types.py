@@ -95,10 +95,3 @@ def _one(placement: Placement) -> str:
 
 def is_multi(placements: OutputPlacements | None) -> bool:
     return bool(placements) and (isinstance(placements[0], tuple) or placements[0] is None)
-
-
-def flat_placements(placements: Sequence) -> list[Placements]:
-    """The tensor placements inside an OutputPlacements, skipping None."""
-    if is_multi(placements):
-        return [p for p in placements if p is not None]
-    return [tuple(placements)]
