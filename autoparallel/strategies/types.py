@@ -8,7 +8,7 @@ DTensor placements in mesh-dimension order, e.g. ``(Shard(0), Replicate())``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Union
 
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
