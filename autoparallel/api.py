@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel.cost.tables import build_cost_tables
+from autoparallel.mixed_precision import check_policy, reduction_dtype_constraints
 from autoparallel.persistence import check_compatible, load_placements, save_placements
 from autoparallel.runtime.module import apply_placement
 from autoparallel.solver.folding import find_repeated_nodes
@@ -44,7 +45,8 @@ class AutoParallel:
         model: the module to plan; parameters may live on the meta device (never materialized).
         input_fn: returns the global example inputs: a tensor, a tuple, or a dict of kwargs.
         mesh: the DeviceMesh to plan for (a fake process group is enough).
-        mp_policy: torch's MixedPrecisionPolicy; accepted, not yet modelled (a warning says so).
+        mp_policy: torch's ``MixedPrecisionPolicy`` (from ``torch.distributed.fsdp``): compute in
+            ``param_dtype``, reduce gradients in ``reduce_dtype``; see mixed_precision.py.
         hardware: a preset name ("h100", "a100", "h200", "b200", "cpu") or a Hardware.
         gpus_per_node: ranks per node, deciding which mesh dims are inter-node.
         time_limit_s / relative_gap: solver controls (on a time-out the best plan found is
@@ -76,25 +78,26 @@ class AutoParallel:
         self.model = model
         self.input_fn = input_fn
         self.mesh = mesh
-        self.mp_policy = mp_policy
+        self.mp_policy = check_policy(mp_policy)
         self.topology = Topology.from_mesh(mesh, hardware=hardware, gpus_per_node=gpus_per_node)
         self.solver_options = SolverOptions(time_limit_s=time_limit_s, relative_gap=relative_gap)
         self.fold = fold
         self.joint: JointGraph | None = None
         self._optimizer: ShardingOptimizer | None = None
         self.stage_times_s: dict[str, float] = {}
-        if mp_policy is not None:
-            logger.warning("mp_policy is accepted but not yet modelled: the plan prices the model's own dtypes")
 
     # ------------------------------------------------------------------ context manager
 
     def __enter__(self) -> "AutoParallel":
         device = trace_device(self.mesh.device_type)
-        self.joint = self._timed("trace", lambda: trace_joint(self.model, self.input_fn, device))
+        self.joint = self._timed("trace", lambda: trace_joint(self.model, self.input_fn, device, self.mp_policy))
         space = self._timed("strategies", lambda: build_strategy_space(self.joint, self.mesh))
         tables = self._timed("cost", lambda: build_cost_tables(self.joint, space, self.topology))
         folding = self._timed("fold", lambda: find_repeated_nodes(self.joint, space)) if self.fold else None
         problem = self._timed("build", lambda: build_problem(self.joint, space, tables, folding))
+        if self.mp_policy is not None:
+            for constraint in reduction_dtype_constraints(problem, self.mp_policy):
+                problem.add_constraint(constraint)
         self._optimizer = ShardingOptimizer(problem, self.mesh.mesh_dim_names, self.solver_options)
         return self
 

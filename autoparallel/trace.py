@@ -161,8 +161,14 @@ def trace_joint(
     model: nn.Module,
     input_fn: Callable[[], Any],
     device: torch.device,
+    mp_policy: Any = None,
 ) -> JointGraph:
-    """Trace ``model`` on the global inputs of ``input_fn`` into a :class:`JointGraph`."""
+    """Trace ``model`` on the global inputs of ``input_fn`` into a :class:`JointGraph`.
+
+    With a (checked) ``mp_policy`` the model is traced inside
+    :class:`~autoparallel.mixed_precision.MixedPrecisionModule`, so the graph holds the
+    precision casts; parameter names are still the model's own.
+    """
     fake_mode = internals.new_fake_mode()
     # input_fn runs under a fake mode of its own so that it allocates nothing even for huge
     # global inputs, yet may still read real tensors it closes over; only shapes are kept.
@@ -171,13 +177,18 @@ def trace_joint(
     args, kwargs = normalize_inputs(raw_inputs)
     fake_args, fake_kwargs = _fake_inputs(args, kwargs, fake_mode, device)
     fake_model = _fake_copy_of_model(model, fake_mode, device)
+    name_prefix = ""
+    if mp_policy is not None:
+        from autoparallel.mixed_precision import WRAPPED_PREFIX, MixedPrecisionModule
+
+        fake_model, name_prefix = MixedPrecisionModule(fake_model, mp_policy), WRAPPED_PREFIX
 
     # The export's contexts only matter for compiling the graph; we read it and close them.
     with contextlib.ExitStack() as stack:
         export = internals.export_joint(stack, fake_model, fake_args, fake_kwargs)
     graph_module = export.graph_module
     _, in_spec = tree_flatten((args, kwargs))
-    joint = _assign_roles(graph_module, fake_mode, in_spec, export.out_spec, device)
+    joint = _assign_roles(graph_module, fake_mode, in_spec, export.out_spec, device, name_prefix)
     joint.tied_params = _tied_parameter_groups(model)
     return joint
 
@@ -195,6 +206,7 @@ def _assign_roles(
     in_spec: TreeSpec,
     out_spec: TreeSpec,
     device: torch.device,
+    name_prefix: str = "",
 ) -> JointGraph:
     params: dict[str, fx.Node] = {}
     buffers: dict[str, fx.Node] = {}
@@ -202,6 +214,8 @@ def _assign_roles(
     tangent_nodes: list[tuple[Any, fx.Node]] = []
     for node in graph_module.graph.find_nodes(op="placeholder"):
         kind, key = internals.describe_input(node.meta.get("desc"))
+        if kind in ("param", "buffer"):
+            key = key.removeprefix(name_prefix)
         if kind == "param":
             params[key] = node
         elif kind == "buffer":
@@ -223,6 +237,8 @@ def _assign_roles(
             user_outputs[key] = value
         elif kind == "grad" and value is not None:
             grad_kind, grad_key = key
+            if grad_kind == "param":
+                grad_key = grad_key.removeprefix(name_prefix)
             (param_grads if grad_kind == "param" else input_grads)[grad_key] = value
 
     tangents: dict[int, fx.Node] = {}
