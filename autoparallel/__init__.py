@@ -2,6 +2,7 @@
 
 from autoparallel.api import AutoParallel, auto_parallel
 from autoparallel.runtime import InputMismatchError
+from autoparallel.sharding_constraint import with_sharding_constraint
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.solver.plan import Plan
 from autoparallel.topology import HARDWARE_PRESETS, Hardware, Topology
@@ -9,4 +10,5 @@ from autoparallel.topology import HARDWARE_PRESETS, Hardware, Topology
 __all__ = [
     "AutoParallel",
     "auto_parallel",
+    "with_sharding_constraint",
     "InputMismatchError", "Plan", "InfeasibleConstraintsError", "Hardware", "Topology", "HARDWARE_PRESETS"]

@@ -17,6 +17,7 @@ from autoparallel.cost.tables import build_cost_tables
 from autoparallel.mixed_precision import check_policy, reduction_dtype_constraints
 from autoparallel.persistence import check_compatible, load_placements, save_placements
 from autoparallel.runtime.module import apply_placement
+from autoparallel.sharding_constraint import sharding_constraints
 from autoparallel.solver.folding import find_repeated_nodes
 from autoparallel.solver.highs import SolverOptions
 from autoparallel.solver.optimizer import ShardingOptimizer, check_shard_dims, validate_placements
@@ -95,6 +96,8 @@ class AutoParallel:
         tables = self._timed("cost", lambda: build_cost_tables(self.joint, space, self.topology))
         folding = self._timed("fold", lambda: find_repeated_nodes(self.joint, space)) if self.fold else None
         problem = self._timed("build", lambda: build_problem(self.joint, space, tables, folding))
+        for constraint in sharding_constraints(problem, tuple(self.mesh.shape)):
+            problem.add_constraint(constraint)
         if self.mp_policy is not None:
             for constraint in reduction_dtype_constraints(problem, self.mp_policy):
                 problem.add_constraint(constraint)

@@ -28,12 +28,14 @@ LR = 1e-3
 
 def build(model_name: str, device: str = "meta") -> torch.nn.Module:
     with torch.device(device):
+        if model_name == "mlp-constrained":  # hidden activation pinned replicated
+            return MLP(64, 256, hidden_placements=(Replicate(),))
         return MLP(64, 256) if model_name == "mlp" else Llama(LLAMA)
 
 
 def global_batches(model_name: str) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1234)
-    if model_name == "mlp":
+    if model_name.startswith("mlp"):
         return [torch.randn(1024, 64, generator=generator) for _ in range(STEPS)]
     return [torch.randint(0, LLAMA.vocab_size, (8, 64), generator=generator) for _ in range(STEPS)]
 
@@ -79,6 +81,9 @@ def train(rank: int, world_size: int, model_name: str, shape: tuple[int, ...], k
     optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR)
     reference_out = reference_model(model_name)(global_batches(model_name)[0]).detach()
     result: dict[str, Any] = {"losses": [], "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()}}
+    result["constrained"] = sorted(
+        placement_str(n.strategy.output) for n in plan.nodes.values() if "sharding_constraint" in n.target
+    )
     result["all_reduces"] = sum(
         1 for _, a in plan.redistributions() if "P" in placement_str(a.src) and "P" not in placement_str(a.dst)
     )

@@ -45,6 +45,7 @@ def _max_error(a: dict, b: dict) -> float:
     "model_name,shape,kind",
     [
         ("mlp", (2,), "ddp"),
+        ("mlp-constrained", (2,), "ddp"),
         ("mlp", (4,), "fsdp"),
         ("mlp", (2, 2), "tp"),
         ("llama", (2,), "fsdp"),
@@ -59,7 +60,9 @@ def test_parallel_training_matches_single_device(references, model_name, shape, 
     reference = references(model_name)
     rank0 = results[0]
     placements = rank0["param_placements"]
-    if kind == "ddp":
+    if model_name == "mlp-constrained":  # the hidden activation and its gradient, replicated
+        assert rank0["constrained"] == ["R", "R"]
+    elif kind == "ddp":
         assert set(placements.values()) == {"R"}
         assert rank0["all_reduces"] >= 1  # gradients are summed across ranks
     elif kind == "fsdp":

@@ -73,19 +73,26 @@ class MLP(nn.Module):
 
     Parameters are ``w1.weight``, ``w1.bias``, ``w2.weight`` and ``w2.bias``
     (the biases only when ``bias`` is true). The input's last dimension must be
-    ``dim``; any leading dimensions are kept.
+    ``dim``; any leading dimensions are kept. ``hidden_placements`` pins the hidden
+    activation's layout with ``with_sharding_constraint`` (one placement per mesh dim).
     """
 
-    def __init__(self, dim: int, hidden: int, bias: bool = True) -> None:
+    def __init__(self, dim: int, hidden: int, bias: bool = True, hidden_placements: tuple | None = None) -> None:
         super().__init__()
         self.dim = dim
         self.hidden = hidden
+        self.hidden_placements = hidden_placements
         self.w1 = nn.Linear(dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map ``[..., dim]`` to ``[..., dim]``."""
-        return self.w2(nn.functional.gelu(self.w1(x)))
+        hidden = nn.functional.gelu(self.w1(x))
+        if self.hidden_placements is not None:
+            from autoparallel.sharding_constraint import with_sharding_constraint
+
+            hidden = with_sharding_constraint(hidden, self.hidden_placements)
+        return self.w2(hidden)
 
     def init_weights(self, seed: int | None = None) -> None:
         """Initialize every parameter in place, deterministically given ``seed``.

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
+from autoparallel.sharding_constraint import sharding_constraint_op
 from autoparallel.solver.plan import Plan
 from autoparallel.strategies.types import is_multi
 from autoparallel.trace import JointGraph
@@ -109,6 +110,8 @@ class JointExecutor:
 
         args = tree_map(prepare, node.args)
         kwargs = tree_map(prepare, dict(node.kwargs))
+        if node.target is sharding_constraint_op:  # an identity: its input is already in place
+            return self._conform(args[0], program.output_placements)
         if "device" in kwargs:
             kwargs["device"] = self.device
         result = node.target(*args, **kwargs)

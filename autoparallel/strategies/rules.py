@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from autoparallel.sharding_constraint import sharding_constraint_op
 from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
 
 aten = torch.ops.aten
@@ -93,7 +94,19 @@ def sdpa_cpu_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
     return _attention_rules(num_outputs, len(tensor_inputs)), num_outputs
 
 
-OWN_RULES: dict[object, Callable[[fx.Node], tuple[list[SingleDimRule], int] | None]] = {}
+# ---------------------------------------------------------------------------- identities
+
+
+def identity_rules(node: fx.Node) -> tuple[list[SingleDimRule], int]:
+    """Output placement = input placement (``with_sharding_constraint``'s op): any layout
+    change the constraint implies is priced on the input edge."""
+    ndim = node.meta["val"].ndim
+    return [[Shard(d), Shard(d)] for d in range(ndim)], 1
+
+
+OWN_RULES: dict[object, Callable[[fx.Node], tuple[list[SingleDimRule], int] | None]] = {
+    sharding_constraint_op: identity_rules,
+}
 for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"):
     _packet = getattr(aten, _name, None)
     if _packet is not None:
