@@ -3,7 +3,9 @@
 Nothing is allocated and nothing communicates: the model is built on the meta device and the
 mesh lives on torch's fake process group, so a 64-GPU plan can be made on a laptop. The plan
 is printed as a summary (identical ``layers.N`` groups collapsed into one line) and can be
-written as JSON (``--out``) and as a self-contained HTML page (``--html``).
+written as JSON (``--out``) and as a self-contained HTML page (``--html``). With ``--out`` the
+whole problem is saved too (``plan.npz`` next to ``plan.json``, or the ``--save`` path), and the
+JSON names it, so ``autoparallel explain plan.json --placement ...`` can price other choices.
 
 Contract: :func:`main` returns 0 on success; bad arguments print ONE line on stderr and exit
 with status 2 (argparse's convention), before any tracing starts.
@@ -19,12 +21,12 @@ import math
 import re
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from autoparallel import cli_saved
+from autoparallel.report.text import collapse_layers, summary_lines
 
 __all__ = ["build_parser", "collapse_layers", "main", "summary_lines"]
 
@@ -97,8 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "(e.g. 2e9, 16GiB)")
     plan.add_argument("--out", type=Path, default=None, help="write the plan as JSON here")
     plan.add_argument("--html", type=Path, default=None, help="write a self-contained HTML report here")
-    plan.add_argument("--save", type=Path, default=None,
-                      help="save the whole problem and its solution (.npz) for `autoparallel explain/diff`")
+    saving = plan.add_mutually_exclusive_group()
+    saving.add_argument("--save", type=Path, default=None,
+                        help="save the whole problem and its solution (.npz) here for `autoparallel explain/diff` "
+                        "(default with --out: next to the JSON, e.g. plan.json -> plan.npz)")
+    saving.add_argument("--no-save", action="store_true",
+                        help="with --out, do not save the problem (explain --placement/--costs then cannot run)")
     plan.add_argument("--verbose", action="store_true", help="log every node's decision")
     cli_saved.add_commands(commands)
     return parser
@@ -183,8 +189,20 @@ def validate(args: argparse.Namespace) -> PlanRequest:
     elif args.layers is not None:
         raise UsageError("--layers applies to the built-in models only; a factory decides its own depth")
     layers = args.layers if args.layers is not None or model not in BUILTIN_MODELS else DEFAULT_LLAMA_LAYERS
+    save = None if args.no_save else args.save or default_problem_path(args.out)
+    if save is not None and args.out is not None and save.resolve() == args.out.resolve():
+        raise UsageError(f"--save {save} and --out {args.out} name the same file; the problem needs a file of its own")
     return PlanRequest(model, shape, names, args.batch, args.seq, hardware, args.gpus_per_node, layers,
-                       parse_memory_budget(args.memory_budget), args.out, args.html, args.verbose, args.save)
+                       parse_memory_budget(args.memory_budget), args.out, args.html, args.verbose, save)
+
+
+def default_problem_path(out: Path | None) -> Path | None:
+    """Where ``--out plan.json`` saves its problem when ``--save`` does not say: ``plan.npz``
+    in the same folder (``plan.json.npz`` if ``--out`` itself ends in ``.npz``)."""
+    if out is None:
+        return None
+    path = out.with_suffix(".npz")
+    return path if path != out else out.with_name(out.name + ".npz")
 
 
 # ---------------------------------------------------------------------------- model building
@@ -366,151 +384,6 @@ def fallback_json(autop: Any, plan: Any) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------------------- summary
-
-
-_LAYER_RE = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?[^.]+)\.(?P<index>\d+)\.(?P<rest>.+)$")
-
-
-def _ranges(indices: Sequence[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
-    out: list[str] = []
-    values = sorted(indices)
-    start = prev = values[0]
-    for value in values[1:] + [None]:  # type: ignore[list-item]
-        if value is not None and value == prev + 1:
-            prev = value
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if value is not None:
-            start = prev = value
-    return ",".join(out)
-
-
-def collapse_layers(placements: Mapping[str, str]) -> list[tuple[str, str]]:
-    """Name -> placement lines with ``prefix.N.rest`` groups folded over N.
-
-    Parameters that differ only in their first numeric component and share a placement become
-    one line, e.g. ``layers.0-31.attention.wq.weight  S(0)S(1)``; layers that differ get one
-    line per distinct placement (``layers.0,2-31...`` and ``layers.1...``). Order follows the
-    first occurrence of each group.
-    """
-    groups: OrderedDict[tuple[str, str] | str, OrderedDict[str, list[int]]] = OrderedDict()
-    for name, placement in placements.items():
-        match = _LAYER_RE.match(name)
-        if match is None:
-            groups.setdefault(name, OrderedDict()).setdefault(placement, [])
-            continue
-        key = (match["prefix"], match["rest"])
-        groups.setdefault(key, OrderedDict()).setdefault(placement, []).append(int(match["index"]))
-    lines: list[tuple[str, str]] = []
-    for key, by_placement in groups.items():
-        for placement, indices in by_placement.items():
-            if isinstance(key, str):
-                lines.append((key, placement))
-            else:
-                lines.append((f"{key[0]}.{_ranges(indices)}.{key[1]}", placement))
-    return lines
-
-
-def _fmt_us(value: Any) -> str:
-    return f"{value:,.2f} us" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
-
-
-def summary_lines(data: Mapping[str, Any]) -> list[str]:
-    """The human-readable summary of a plan JSON dict (what ``autoparallel plan`` prints)."""
-    lines = _header_lines(data)
-    lines += _parameter_lines(data)
-    lines += _totals_lines(data)
-    lines += _hotspot_lines(data)
-    lines += _solver_lines(data)
-    if data.get("fallbacks"):
-        lines.append(f"replicated for lack of a strategy: {', '.join(map(str, data['fallbacks']))}")
-    return lines
-
-
-def _header_lines(data: Mapping[str, Any]) -> list[str]:
-    mesh = data.get("mesh") or {}
-    shape = list(mesh.get("shape") or [])
-    names = mesh.get("dim_names") or [f"dim{i}" for i in range(len(shape))]
-    hardware = data.get("hardware") or {}
-    run = data.get("run") or {}
-    what = f"{run.get('model', 'model')} ({run.get('layers')} layers)" if run.get("layers") else str(run.get("model", "model"))
-    inputs = f", batch {run['batch']} x seq {run['seq']}" if "batch" in run else ""
-    mesh_text = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
-    return [
-        f"{what}{inputs}, mesh ({mesh_text}), {hardware.get('name', '-')} with {hardware.get('gpus_per_node', '-')} GPUs per node",
-        f"memory budget: {run.get('memory_budget', '-')}",
-    ]
-
-
-def _parameter_lines(data: Mapping[str, Any]) -> list[str]:
-    params = {str(p["name"]): str(p.get("placements")) for p in data.get("parameters") or [] if "name" in p}
-    if not params:
-        return []
-    rows = collapse_layers(params)
-    width = max(len(name) for name, _ in rows)
-    from autoparallel.report.html import format_bytes
-
-    total = sum(p.get("bytes_per_device") or 0 for p in data.get("parameters") or [])
-    header = f"parameter placements (mesh-dim order), {format_bytes(total)} of parameters per device:"
-    return [header] + [f"  {name:<{width}}  {placement}" for name, placement in rows]
-
-
-def _totals_lines(data: Mapping[str, Any]) -> list[str]:
-    t = data.get("totals") or {}
-    if not t:
-        return []
-    comm, compute, transition = (float(t.get(k) or 0.0) for k in ("comm_us", "compute_us", "transition_us"))
-    whole = comm + compute + transition
-    share = (lambda v: f"{100 * v / whole:.1f}%") if whole > 0 else (lambda v: "-")
-    return [
-        f"total cost: {_fmt_us(t.get('total_us'))} per step = comm {_fmt_us(comm)} + compute {_fmt_us(compute)} "
-        f"+ transition {_fmt_us(transition)}",
-        f"share: comm {share(comm)}, compute {share(compute)}, transition {share(transition)}",
-    ]
-
-
-def _hotspot_lines(data: Mapping[str, Any], count: int = 5) -> list[str]:
-    collectives = [c for c in data.get("collectives") or [] if isinstance(c.get("comm_us"), (int, float))]
-    top = sorted(collectives, key=lambda c: -c["comm_us"])[:count]
-    if not top:
-        return []
-    names = list((data.get("mesh") or {}).get("dim_names") or [])
-
-    def dims(c: Mapping[str, Any]) -> str:
-        return ",".join(names[d] if isinstance(d, int) and d < len(names) else str(d) for d in c.get("mesh_dims") or [])
-
-    rows = [
-        (_fmt_us(c["comm_us"]), f"{c.get('kind', '-')} ({dims(c)})", f"{c.get('src', '-')} -> {c.get('dst', '-')}",
-         str(c.get("phase", "-")), f"{c.get('module') or '-'}  ({c.get('consumer', '-')} <- {c.get('producer', '-')})")
-        for c in top
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = [f"top {len(top)} of {len(collectives)} collectives (comm, kind (mesh dims), src -> dst, phase, module):"]
-    for row in rows:
-        lines.append(f"  {row[0]:>{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:<{widths[3]}}  {row[4]}")
-    return lines
-
-
-def _solver_lines(data: Mapping[str, Any]) -> list[str]:
-    s = data.get("solver") or {}
-    lines = []
-    if s:
-        gap = s.get("gap")
-        gap_text = f"{100 * gap:.3f}%" if isinstance(gap, (int, float)) else "-"
-        lines.append(
-            f"solver: status {s.get('status')}, objective {_fmt_us(s.get('objective_us'))}, "
-            f"bound {_fmt_us(s.get('bound_us'))}, gap {gap_text}, time {float(s.get('time_s') or 0):.2f} s, "
-            f"{s.get('num_variables')} variables, {s.get('num_constraints')} constraints"
-        )
-    run = data.get("run") or {}
-    if run.get("stage_times_s"):
-        stages = ", ".join(f"{k} {v:.1f} s" for k, v in run["stage_times_s"].items())
-        lines.append(f"planning took {run.get('planning_s', 0):.1f} s ({stages})")
-    return lines
-
-
 # ---------------------------------------------------------------------------- entry point
 
 
@@ -519,8 +392,11 @@ def _plan_command(request: PlanRequest) -> int:
     data, _ = run_plan(request)
     print("\n".join(summary_lines(data)))
     if request.out is not None:
-        from autoparallel.report.html import json_safe
+        from autoparallel.report.plan_json import problem_reference
+        from autoparallel.report.template import json_safe
 
+        if request.save is not None:
+            data["problem"] = problem_reference(request.save, request.out)
         text = json.dumps(json_safe(data), indent=1, allow_nan=False, default=str)
         request.out.write_text(text + "\n", encoding="utf-8")
         print(f"wrote {request.out}")
@@ -555,7 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_writable(request.save, "--save")
         return _plan_command(request)
     except (UsageError, cli_saved.SavedUsageError) as exc:
-        print(f"autoparallel {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever a wrapped error said
+        print(f"autoparallel {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

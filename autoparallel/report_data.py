@@ -9,7 +9,11 @@ that is not finite (an impossible redistribution, an unknown gap) is written as 
 Sections: ``mesh``, ``hardware``, ``totals``, ``solver``, ``parameters`` (with the bytes
 each device holds), ``inputs``/``outputs``, ``nodes`` (placements and costs per node),
 ``collectives`` (every redistribution, classified per mesh dim by :func:`collective_kind`),
-``layers`` (cost per module), ``fallbacks`` and ``constraints``.
+``layers`` (cost per module), ``fallbacks`` and ``constraints``. Two more are added by
+``autoparallel plan``: ``run`` (model, batch, timings) and ``problem`` (the file name of the
+whole problem saved as ``.npz``, relative to the JSON's folder, for ``autoparallel explain
+--placement``; absent when none was saved). Readers must ignore keys they do not know, so
+adding a section keeps the version; :mod:`autoparallel.report.plan_json` reads the file back.
 
 ``module`` of a parameter is the module holding it (``layers.0.attention.wq``). ``module``
 of a node, a collective and a ``layers`` row is an *attribution*: the traced graph carries

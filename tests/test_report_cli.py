@@ -19,6 +19,9 @@ import pytest
 
 from autoparallel.cli import collapse_layers, summary_lines
 from autoparallel.report import render_html, write_html
+from autoparallel.report.plan_json import READ_VERSIONS, PlanJsonError, read_plan_json
+from autoparallel.report.text import diff_plan_json
+from autoparallel.report_data import SCHEMA_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -155,6 +158,44 @@ def test_summary_lines_have_units(sample: dict) -> None:
     assert "250.00 us" in text  # the top collective
 
 
+# ---------------------------------------------------------------------------- reading and comparing plan JSONs
+
+
+def test_read_plan_json_checks_version_and_sections(tmp_path: Path, sample: dict) -> None:
+    assert SCHEMA_VERSION in READ_VERSIONS, "the JSON written must be one this code reads back"
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(sample))
+    assert read_plan_json(path) == sample
+    for broken, needle in (({**sample, "version": 7}, "newer"), ({**sample, "version": "1"}, "does not read"),
+                           ({k: v for k, v in sample.items() if k != "parameters"}, "'parameters'"), ([1, 2], "no schema")):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(PlanJsonError, match=needle):
+            read_plan_json(path)
+
+
+def test_diff_plan_json_counts_moves_and_deltas(sample: dict) -> None:
+    other = json.loads(json.dumps(sample))
+    other["mesh"]["dim_names"] = ["tp", "dp"]
+    other["totals"]["comm_us"] = 300.25
+    other["solver"]["objective_us"] = None
+    other["parameters"][0]["placements"] = "RR"
+    other["nodes"][0]["placements"] = "RR"
+    other["nodes"][1]["name"] = "mm_9"
+    diff = diff_plan_json(sample, other)
+    assert diff.delta["comm_us"] == pytest.approx(-100.0) and diff.delta["compute_us"] == 0.0
+    assert diff.objective_delta_us is None
+    assert diff.parameters == [("tok_embeddings.weight", "S(0)S(1)", "RR")]
+    assert diff.moves == {("S(0)S(1)", "RR"): 1} and diff.num_moved == 1
+    assert diff.only_in_a == ["mm_1"] and diff.only_in_b == ["mm_9"]
+    text = str(diff)
+    assert "meshes differ: a (dp=2, tp=4), b (tp=2, dp=4)" in text
+    assert "comm -100.00 us" in text and "solver objective n/a" in text
+    assert "S(0)S(1) -> RR: 1 node" in text and "only in a: mm_1; only in b: mm_9" in text
+    subset = {k: v for k, v in sample.items() if k != "nodes"}
+    assert "not recorded" in str(diff_plan_json(subset, sample))
+    assert str(diff_plan_json(sample, sample)).splitlines()[0].startswith("total +0.00 us")
+
+
 # ---------------------------------------------------------------------------- the page in a real browser
 
 
@@ -196,6 +237,7 @@ def test_cli_plans_tiny_model(tmp_path: Path) -> None:
     assert {p["name"] for p in data["parameters"]} >= {"tok_embeddings.weight", "output.weight"}
     assert data["inputs"][0]["placements"].startswith("S(0)")
     assert json.loads(embedded_json(page.read_text())) == data
+    assert data["problem"] == "p.npz" and (tmp_path / "p.npz").is_file(), "--out saves the problem next to it"
     assert "total cost:" in result.stdout and " us" in result.stdout
     assert "layers.0-1." in result.stdout or "layers.0." in result.stdout
 
@@ -225,6 +267,13 @@ def test_cli_bad_arguments(args: list[str], needle: str) -> None:
     assert result.stdout == ""
 
 
+def test_cli_save_and_no_save_exclude_each_other(tmp_path: Path) -> None:
+    result = run_cli("plan", "--model", "tiny", "--mesh", "2", "--batch", "8", "--seq", "32",
+                     "--save", str(tmp_path / "p.npz"), "--no-save", timeout=120)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "--no-save" in result.stderr and "not allowed" in result.stderr
+
+
 def test_cli_help_mentions_layer_default() -> None:
     result = run_cli("plan", "--help", timeout=120)
     assert result.returncode == 0
@@ -241,7 +290,7 @@ def test_cli_without_get_json_writes_plan_subset(tmp_path: Path) -> None:
         "    del ShardingOptimizer.get_json\n"
         "from autoparallel.cli import main\n"
         f"sys.exit(main(['plan', '--model', 'tiny', '--mesh', '2', '--batch', '4', '--seq', '16',"
-        f" '--memory-budget', '1MiB', '--out', {str(out)!r}, '--html', {str(page)!r}]))\n"
+        f" '--memory-budget', '1MiB', '--no-save', '--out', {str(out)!r}, '--html', {str(page)!r}]))\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
@@ -250,6 +299,7 @@ def test_cli_without_get_json_writes_plan_subset(tmp_path: Path) -> None:
     assert {"mesh", "hardware", "totals", "solver", "parameters", "inputs", "outputs"} <= set(data)
     assert data["mesh"] == {"shape": [2], "dim_names": ["dp"]}
     assert "parameter_memory" in data["constraints"]
+    assert "problem" not in data and not (tmp_path / "p.npz").exists(), "--no-save saves no problem"
     param = next(p for p in data["parameters"] if p["name"] == "output.weight")
     assert param["bytes_per_device"] in (256 * 64 * 4, 256 * 64 * 4 // 2)
     assert "not recorded in this data" in page.read_text()

@@ -1,0 +1,299 @@
+"""Plain-text views of a plan JSON dict: the summary ``autoparallel plan`` and ``autoparallel
+explain`` print, and the difference of two plans that ``autoparallel diff`` prints.
+
+Everything here reads the JSON dict only (schema in :mod:`autoparallel.report_data`), so it
+works the same on a plan just made, a ``plan.json`` from disk, or the JSON of a saved problem;
+it uses no torch objects. Costs are printed in microseconds (``us``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from autoparallel.report.template import format_bytes
+
+__all__ = ["PlanJsonDiff", "collapse_layers", "diff_plan_json", "summary_lines"]
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?[^.]+)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    out: list[str] = []
+    values = sorted(indices)
+    start = prev = values[0]
+    for value in values[1:] + [None]:  # type: ignore[list-item]
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if value is not None:
+            start = prev = value
+    return ",".join(out)
+
+
+def collapse_layers(placements: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Name -> placement lines with ``prefix.N.rest`` groups folded over N.
+
+    Parameters that differ only in their first numeric component and share a placement become
+    one line, e.g. ``layers.0-31.attention.wq.weight  S(0)S(1)``; layers that differ get one
+    line per distinct placement (``layers.0,2-31...`` and ``layers.1...``). Order follows the
+    first occurrence of each group.
+    """
+    groups: OrderedDict[tuple[str, str] | str, OrderedDict[str, list[int]]] = OrderedDict()
+    for name, placement in placements.items():
+        match = _LAYER_RE.match(name)
+        if match is None:
+            groups.setdefault(name, OrderedDict()).setdefault(placement, [])
+            continue
+        key = (match["prefix"], match["rest"])
+        groups.setdefault(key, OrderedDict()).setdefault(placement, []).append(int(match["index"]))
+    lines: list[tuple[str, str]] = []
+    for key, by_placement in groups.items():
+        for placement, indices in by_placement.items():
+            if isinstance(key, str):
+                lines.append((key, placement))
+            else:
+                lines.append((f"{key[0]}.{_ranges(indices)}.{key[1]}", placement))
+    return lines
+
+
+def _fmt_us(value: Any) -> str:
+    return f"{value:,.2f} us" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+
+
+def summary_lines(data: Mapping[str, Any]) -> list[str]:
+    """The human-readable summary of a plan JSON dict (what ``autoparallel plan`` prints)."""
+    lines = _header_lines(data)
+    lines += _parameter_lines(data)
+    lines += _totals_lines(data)
+    lines += _hotspot_lines(data)
+    lines += _solver_lines(data)
+    if data.get("fallbacks"):
+        lines.append(f"replicated for lack of a strategy: {', '.join(map(str, data['fallbacks']))}")
+    return lines
+
+
+def _header_lines(data: Mapping[str, Any]) -> list[str]:
+    mesh = data.get("mesh") or {}
+    shape = list(mesh.get("shape") or [])
+    names = mesh.get("dim_names") or [f"dim{i}" for i in range(len(shape))]
+    hardware = data.get("hardware") or {}
+    run = data.get("run") or {}
+    what = f"{run.get('model', 'model')} ({run.get('layers')} layers)" if run.get("layers") else str(run.get("model", "model"))
+    inputs = f", batch {run['batch']} x seq {run['seq']}" if "batch" in run else ""
+    mesh_text = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
+    lines = [f"{what}{inputs}, mesh ({mesh_text}), {hardware.get('name', '-')} with {hardware.get('gpus_per_node', '-')} GPUs per node"]
+    if "memory_budget" in run:  # a plan made by `autoparallel plan` (not a saved problem's JSON)
+        lines.append(f"memory budget: {run['memory_budget']}")
+    return lines
+
+
+def _parameter_lines(data: Mapping[str, Any]) -> list[str]:
+    params = {str(p["name"]): str(p.get("placements")) for p in data.get("parameters") or [] if "name" in p}
+    if not params:
+        return []
+    rows = collapse_layers(params)
+    width = max(len(name) for name, _ in rows)
+    total = sum(p.get("bytes_per_device") or 0 for p in data.get("parameters") or [])
+    header = f"parameter placements (mesh-dim order), {format_bytes(total)} of parameters per device:"
+    return [header] + [f"  {name:<{width}}  {placement}" for name, placement in rows]
+
+
+def _totals_lines(data: Mapping[str, Any]) -> list[str]:
+    t = data.get("totals") or {}
+    if not t:
+        return []
+    comm, compute, transition = (float(t.get(k) or 0.0) for k in ("comm_us", "compute_us", "transition_us"))
+    whole = comm + compute + transition
+    share = (lambda v: f"{100 * v / whole:.1f}%") if whole > 0 else (lambda v: "-")
+    return [
+        f"total cost: {_fmt_us(t.get('total_us'))} per step = comm {_fmt_us(comm)} + compute {_fmt_us(compute)} "
+        f"+ transition {_fmt_us(transition)}",
+        f"share: comm {share(comm)}, compute {share(compute)}, transition {share(transition)}",
+    ]
+
+
+def _hotspot_lines(data: Mapping[str, Any], count: int = 5) -> list[str]:
+    collectives = [c for c in data.get("collectives") or [] if isinstance(c.get("comm_us"), (int, float))]
+    top = sorted(collectives, key=lambda c: -c["comm_us"])[:count]
+    if not top:
+        return []
+    names = list((data.get("mesh") or {}).get("dim_names") or [])
+
+    def dims(c: Mapping[str, Any]) -> str:
+        return ",".join(names[d] if isinstance(d, int) and d < len(names) else str(d) for d in c.get("mesh_dims") or [])
+
+    rows = [
+        (_fmt_us(c["comm_us"]), f"{c.get('kind', '-')} ({dims(c)})", f"{c.get('src', '-')} -> {c.get('dst', '-')}",
+         str(c.get("phase", "-")), f"{c.get('module') or '-'}  ({c.get('consumer', '-')} <- {c.get('producer', '-')})")
+        for c in top
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"top {len(top)} of {len(collectives)} collectives (comm, kind (mesh dims), src -> dst, phase, module):"]
+    for row in rows:
+        lines.append(f"  {row[0]:>{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:<{widths[3]}}  {row[4]}")
+    return lines
+
+
+def _solver_lines(data: Mapping[str, Any]) -> list[str]:
+    s = data.get("solver") or {}
+    lines = []
+    if s:
+        gap = s.get("gap")
+        gap_text = f"{100 * gap:.3f}%" if isinstance(gap, (int, float)) else "-"
+        lines.append(
+            f"solver: status {s.get('status')}, objective {_fmt_us(s.get('objective_us'))}, "
+            f"bound {_fmt_us(s.get('bound_us'))}, gap {gap_text}, time {float(s.get('time_s') or 0):.2f} s, "
+            f"{s.get('num_variables')} variables, {s.get('num_constraints')} constraints"
+        )
+    run = data.get("run") or {}
+    if run.get("stage_times_s"):
+        stages = ", ".join(f"{k} {v:.1f} s" for k, v in run["stage_times_s"].items())
+        lines.append(f"planning took {run.get('planning_s', 0):.1f} s ({stages})")
+    return lines
+
+
+# ---------------------------------------------------------------------------- diff
+
+
+_COMPONENTS = ("total_us", "comm_us", "compute_us", "transition_us")
+_LISTED_NAMES = 10
+
+
+@dataclass(frozen=True)
+class PlanJsonDiff:
+    """What changed from plan JSON ``a`` to plan JSON ``b`` (e.g. two constraints, two meshes).
+
+    ``delta`` is ``b - a`` per total (keys of ``totals``, us; negative = ``b`` is cheaper;
+    None where either side has no finite value), ``objective_delta_us`` the same for the solver
+    objectives. ``parameters`` lists (name, placement in a, placement in b) of the parameters
+    whose placement changed; ``moves`` counts the nodes (placeholders included) whose output
+    placement changed, per (before, after), most frequent first. Placements are compared as
+    written, in mesh-dim order, so on meshes of different dim names ``mesh_note`` says so.
+    ``nodes_recorded`` is False when either side has no ``nodes`` entry (a JSON built from a
+    Plan alone): then ``moves`` and the ``only_in_*`` lists are empty, not zero.
+    """
+
+    delta: dict[str, float | None]
+    objective_delta_us: float | None
+    parameters: list[tuple[str, str, str]]
+    moves: dict[tuple[str, str], int]
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+    mesh_note: str | None = None
+    nodes_recorded: bool = True
+
+    @property
+    def num_moved(self) -> int:
+        return sum(self.moves.values())
+
+    def lines(self) -> list[str]:
+        """The diff as text lines (what ``autoparallel diff`` prints)."""
+        lines = [self.mesh_note] if self.mesh_note else []
+        d = self.delta
+        lines.append(
+            f"total {_signed(d['total_us'])} = comm {_signed(d['comm_us'])} + compute {_signed(d['compute_us'])} "
+            f"+ transition {_signed(d['transition_us'])} (solver objective {_signed(self.objective_delta_us)})"
+        )
+        return lines + self._parameter_lines() + self._move_lines() + self._only_lines()
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def _parameter_lines(self) -> list[str]:
+        width = max((len(name) for name, _, _ in self.parameters), default=0)
+        lines = [f"{len(self.parameters)} parameter(s) changed placement:"]
+        return lines + [f"  {name:<{width}}  {before} -> {after}" for name, before, after in self.parameters]
+
+    def _move_lines(self) -> list[str]:
+        if not self.nodes_recorded:
+            return ["node placements: not recorded (a JSON without a 'nodes' entry, built from a Plan alone)"]
+        lines = [f"{self.num_moved} node(s) changed output placement:"]
+        for (src, dst), count in self.moves.items():
+            lines.append(f"  {src} -> {dst}: {count} node{'s' if count != 1 else ''}")
+        return lines
+
+    def _only_lines(self) -> list[str]:
+        if not (self.only_in_a or self.only_in_b):
+            return []
+        return [f"only in a: {_names(self.only_in_a)}; only in b: {_names(self.only_in_b)}"]
+
+
+def diff_plan_json(a: Mapping[str, Any], b: Mapping[str, Any]) -> PlanJsonDiff:
+    """Compare two plan JSON dicts of the same model; nothing but the dicts is read."""
+    totals_a, totals_b = a.get("totals") or {}, b.get("totals") or {}
+    objective_a, objective_b = ((d.get("solver") or {}).get("objective_us") for d in (a, b))
+    nodes_a, nodes_b = _placements_by_name(a.get("nodes")), _placements_by_name(b.get("nodes"))
+    recorded = nodes_a is not None and nodes_b is not None
+    nodes_a, nodes_b = nodes_a or {}, nodes_b or {}
+    return PlanJsonDiff(
+        delta={key: _minus(totals_b.get(key), totals_a.get(key)) for key in _COMPONENTS},
+        objective_delta_us=_minus(objective_b, objective_a),
+        parameters=_changed(_placements_by_name(a.get("parameters")) or {}, _placements_by_name(b.get("parameters")) or {}),
+        moves=_moves(nodes_a, nodes_b),
+        only_in_a=[name for name in nodes_a if name not in nodes_b],
+        only_in_b=[name for name in nodes_b if name not in nodes_a],
+        mesh_note=_mesh_note(a, b),
+        nodes_recorded=recorded,
+    )
+
+
+def _placements_by_name(rows: Any) -> dict[str, str] | None:
+    """name -> placements of a ``parameters`` or ``nodes`` list; None if it is not a list."""
+    if not isinstance(rows, list):
+        return None
+    return {str(r["name"]): str(r.get("placements")) for r in rows if isinstance(r, Mapping) and "name" in r}
+
+
+def _changed(a: Mapping[str, str], b: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    return [(name, before, b[name]) for name, before in a.items() if name in b and b[name] != before]
+
+
+def _moves(a: Mapping[str, str], b: Mapping[str, str]) -> dict[tuple[str, str], int]:
+    moves = Counter((before, b[name]) for name, before in a.items() if name in b and b[name] != before)
+    return dict(moves.most_common())
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _minus(b: Any, a: Any) -> float | None:
+    x, y = _finite(b), _finite(a)
+    return None if x is None or y is None else x - y
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2f} us"
+
+
+def _names(names: Sequence[str]) -> str:
+    if not names:
+        return "-"
+    shown = ", ".join(names[:_LISTED_NAMES])
+    return shown if len(names) <= _LISTED_NAMES else f"{shown}, ... ({len(names)} in all)"
+
+
+def _mesh_text(data: Mapping[str, Any]) -> str:
+    mesh = data.get("mesh") or {}
+    shape = list(mesh.get("shape") or [])
+    names = mesh.get("dim_names") or [f"dim{i}" for i in range(len(shape))]
+    return "(" + ", ".join(f"{n}={s}" for n, s in zip(names, shape)) + ")"
+
+
+def _mesh_note(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    first, second = _mesh_text(a), _mesh_text(b)
+    if first == second:
+        return None
+    return f"meshes differ: a {first}, b {second}; placements are compared as written, in mesh-dim order"
