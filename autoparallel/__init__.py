@@ -1,6 +1,7 @@
 """autoparallel: plan and apply the parallelization of a PyTorch model automatically."""
 
 from autoparallel.api import AutoParallel, auto_parallel
+from autoparallel.compile import autoparallel_backend
 from autoparallel.runtime import InputMismatchError
 from autoparallel.sharding_constraint import with_sharding_constraint
 from autoparallel.solver.highs import InfeasibleConstraintsError
@@ -10,5 +11,6 @@ from autoparallel.topology import HARDWARE_PRESETS, Hardware, Topology
 __all__ = [
     "AutoParallel",
     "auto_parallel",
+    "autoparallel_backend",
     "with_sharding_constraint",
     "InputMismatchError", "Plan", "InfeasibleConstraintsError", "Hardware", "Topology", "HARDWARE_PRESETS"]

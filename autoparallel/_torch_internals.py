@@ -34,6 +34,9 @@ __all__ = [
     "describe_input",
     "describe_output",
     "dtensor_strategy_function",
+    "nonstrict_trace",
+    "register_pytree_constant",
+    "lookup_compile_backend",
 ]
 
 
@@ -112,3 +115,30 @@ def dtensor_strategy_function(op: torch._ops.OpOverload, mesh: Any, output_meta:
 def schema_info(op: torch._ops.OpOverload) -> Any:
     propagator = DTensor._op_dispatcher.sharding_propagator
     return propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
+
+
+# ---------------------------------------------------------------------------- torch.compile
+
+
+def nonstrict_trace(fn: Callable) -> Callable:
+    """Dynamo records a call to ``fn`` without tracing its Python; AOTAutograd traces it.
+
+    The parallel module's forward interprets a planned graph with Python-side state (the
+    executor, DTensor redistributions); Dynamo cannot follow that, AOTAutograd's make_fx
+    can. torch 2.13 offers this only as ``torch._dynamo.nonstrict_trace``.
+    """
+    return torch._dynamo.nonstrict_trace(fn)
+
+
+def register_pytree_constant(cls: type) -> None:
+    """Let instances of ``cls`` pass through :func:`nonstrict_trace` as constants."""
+    from torch.utils._pytree import register_constant
+
+    register_constant(cls)
+
+
+def lookup_compile_backend(name: str) -> Callable:
+    """A registered torch.compile backend by name ("inductor", "aot_eager", ...)."""
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(name)

@@ -7,6 +7,7 @@ and full (gathered) tensors that the test compares with the single-process refer
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from typing import Any
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from autoparallel import AutoParallel, InputMismatchError
+from autoparallel import AutoParallel, InputMismatchError, autoparallel_backend
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.strategies.types import placement_str
 from autoparallel.testing import full_grads, full_params
@@ -73,12 +74,19 @@ def _local_rows(batch: torch.Tensor, mesh) -> torch.Tensor:
     return batch.chunk(mesh.shape[0])[coordinate]
 
 
-def train(rank: int, world_size: int, model_name: str, shape: tuple[int, ...], kind: str) -> dict[str, Any]:
+def train(
+    rank: int, world_size: int, model_name: str, shape: tuple[int, ...], kind: str, compiled: bool = False
+) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", shape)
     plan, parallel = _plan_and_apply(model_name, mesh, kind)
     parallel.to_empty(device="cpu")
     parallel.init_weights(seed=0)
     optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR)
+    run = torch.compile(parallel, backend=autoparallel_backend(), fullgraph=True) if compiled else parallel
+    compiled_logs: list[str] = []
+    compile_logger = logging.getLogger("autoparallel.compile")
+    compile_logger.setLevel(logging.INFO)
+    compile_logger.addHandler(_Records(compiled_logs))
     reference_out = reference_model(model_name)(global_batches(model_name)[0]).detach()
     result: dict[str, Any] = {"losses": [], "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()}}
     result["constrained"] = sorted(
@@ -89,7 +97,7 @@ def train(rank: int, world_size: int, model_name: str, shape: tuple[int, ...], k
     )
     for step, batch in enumerate(global_batches(model_name)):
         local = _local_rows(batch, mesh)
-        output = parallel(local)
+        output = run(local)
         if step == 0:
             result["output_error"] = (output - _local_rows(reference_out, mesh)).abs().max().item()
         numel = output.numel() * mesh.shape[0]
@@ -103,7 +111,21 @@ def train(rank: int, world_size: int, model_name: str, shape: tuple[int, ...], k
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     result["params"] = full_params(parallel)
+    if compiled:
+        local = _local_rows(global_batches(model_name)[0], mesh)
+        with torch.no_grad():
+            result["compiled_inference_error"] = (run(local) - parallel(local)).abs().max().item()
+        result["compiled_graphs"] = len(compiled_logs)
     return result
+
+
+class _Records(logging.Handler):
+    def __init__(self, records: list) -> None:
+        super().__init__(logging.INFO)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record.getMessage())
 
 
 def inference_and_state(rank: int, world_size: int) -> dict[str, Any]:

@@ -42,21 +42,24 @@ def _max_error(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize(
-    "model_name,shape,kind",
+    "model_name,shape,kind,compiled",
     [
-        ("mlp", (2,), "ddp"),
-        ("mlp-constrained", (2,), "ddp"),
-        ("mlp", (4,), "fsdp"),
-        ("mlp", (2, 2), "tp"),
-        ("llama", (2,), "fsdp"),
-        ("llama", (2, 2), "tp"),
+        ("mlp", (2,), "ddp", False),
+        ("mlp-constrained", (2,), "ddp", False),
+        ("mlp", (4,), "fsdp", False),
+        ("mlp", (2, 2), "tp", False),
+        ("llama", (2,), "fsdp", False),
+        ("llama", (2, 2), "tp", False),
+        # torch.compile(..., backend=autoparallel_backend(), fullgraph=True): Inductor's C++ path
+        ("mlp", (2, 2), "tp", True),
+        ("llama", (2,), "fsdp", True),
     ],
 )
-def test_parallel_training_matches_single_device(references, model_name, shape, kind):
+def test_parallel_training_matches_single_device(references, model_name, shape, kind, compiled):
     world_size = 1
     for size in shape:
         world_size *= size
-    results = run_distributed(train, world_size, model_name, shape, kind, timeout_s=240)
+    results = run_distributed(train, world_size, model_name, shape, kind, compiled, timeout_s=600)
     reference = references(model_name)
     rank0 = results[0]
     placements = rank0["param_placements"]
@@ -69,6 +72,9 @@ def test_parallel_training_matches_single_device(references, model_name, shape, 
         assert all("S(" in p for p in placements.values() if p), placements
     else:
         assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), placements
+    if compiled:  # Inductor compiled the training graph and, under no_grad, the inference one
+        assert rank0["compiled_graphs"] >= 2
+        assert rank0["compiled_inference_error"] < TOLERANCE
     for result in results:
         assert result["output_error"] < TOLERANCE
         assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)

@@ -8,6 +8,9 @@ into plain ATen ops on local shapes and torch's functional collectives
 
 Tracing runs the phase once (with its collectives) on real data; every rank reaches the
 first call together, as in any SPMD program, so the collectives match.
+
+Under ``torch.compile`` the phases are not traced here: AOTAutograd traces them itself
+(see runtime/module.py and compile.py) and Inductor compiles the result.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 
 @dataclass
@@ -68,6 +71,10 @@ class TracedPhase:
         self.graph_module: fx.GraphModule | None = None
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        if get_proxy_mode() is not None:
+            # Already being traced (torch.compile's AOTAutograd): let that tracer see the
+            # phase itself rather than a graph we traced for other tensors.
+            return list(self.function(*tensors))
         if self.graph_module is None:
             with torch.no_grad():
                 self.graph_module = make_fx(self.function)(*tensors)

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autoparallel import _torch_internals as internals
 from autoparallel.runtime.executor import JointExecutor, redistribute
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
 from autoparallel.shapes import local_shape
@@ -112,6 +113,13 @@ class _Runtime:
         self.backward_phase = TracedPhase("backward", self._backward_program)
         self.inference_phase = TracedPhase("inference", self._inference_program)
 
+    # torch.compile guards on a constant by equality: one runtime equals only itself.
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
     # ------------------------------------------------------------------ inputs
 
     def check_inputs(self, leaves: list[Any], spec: Any) -> None:
@@ -194,6 +202,9 @@ class _Runtime:
         return grads
 
 
+internals.register_pytree_constant(_Runtime)
+
+
 class _JointFunction(torch.autograd.Function):
     """The traced forward phase in ``forward``, the traced backward phase in ``backward``."""
 
@@ -218,6 +229,21 @@ class _JointFunction(torch.autograd.Function):
         return (None, None, None, *param_grads, *([None] * num_buffers), *input_grads)
 
 
+# Under torch.compile, Dynamo records these two calls opaquely and AOTAutograd traces them
+# (through the executor and DTensor) into the graph Inductor compiles; eagerly they are plain
+# calls. The runtime passes through as a constant (identity equality).
+
+
+@internals.nonstrict_trace
+def _run_joint(runtime: _Runtime, num_params: int, num_buffers: int, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return _JointFunction.apply(runtime, num_params, num_buffers, *flat)
+
+
+@internals.nonstrict_trace
+def _run_inference(runtime: _Runtime, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(runtime.inference_phase(*flat))
+
+
 def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.Tensor]:
     locals_ = []
     for name in names:
@@ -239,9 +265,9 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     params = _local_tensors(self, list(runtime.joint.params), self.get_parameter)
     buffers = _local_tensors(self, list(runtime.joint.buffers), self.get_buffer)
     if torch.is_grad_enabled():
-        results = list(_JointFunction.apply(runtime, len(params), len(buffers), *params, *buffers, *leaves))
+        results = list(_run_joint(runtime, len(params), len(buffers), *params, *buffers, *leaves))
     else:
-        results = runtime.inference_phase(*params, *buffers, *leaves)
+        results = list(_run_inference(runtime, *params, *buffers, *leaves))
     outputs: list[Any] = [None] * len(runtime.joint.user_outputs)
     for index, value in zip(runtime.output_indices, results):
         outputs[index] = value
