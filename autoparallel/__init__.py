@@ -3,6 +3,7 @@
 from autoparallel.api import AutoParallel, auto_parallel
 from autoparallel.compile import autoparallel_backend
 from autoparallel.runtime import InputMismatchError
+from autoparallel.runtime.dynamic import DynamicShapeError
 from autoparallel.sharding_constraint import with_sharding_constraint
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.solver.plan import Plan
@@ -13,4 +14,4 @@ __all__ = [
     "auto_parallel",
     "autoparallel_backend",
     "with_sharding_constraint",
-    "InputMismatchError", "Plan", "InfeasibleConstraintsError", "Hardware", "Topology", "HARDWARE_PRESETS"]
+    "InputMismatchError", "DynamicShapeError", "Plan", "InfeasibleConstraintsError", "Hardware", "Topology", "HARDWARE_PRESETS"]

@@ -53,6 +53,8 @@ class AutoParallel:
         time_limit_s / relative_gap: solver controls (on a time-out the best plan found is
             returned with a warning).
         fold: let repeated layers share decision variables (see solver/folding.py).
+        dynamic: the parallel module also accepts inputs of other sizes than ``input_fn()``'s,
+            without planning again, when the plan divides them (see runtime/dynamic.py).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class AutoParallel:
         time_limit_s: float = 300.0,
         relative_gap: float = 1e-4,
         fold: bool = True,
+        dynamic: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -83,6 +86,7 @@ class AutoParallel:
         self.topology = Topology.from_mesh(mesh, hardware=hardware, gpus_per_node=gpus_per_node)
         self.solver_options = SolverOptions(time_limit_s=time_limit_s, relative_gap=relative_gap)
         self.fold = fold
+        self.dynamic = dynamic
         self.joint: JointGraph | None = None
         self._optimizer: ShardingOptimizer | None = None
         self.stage_times_s: dict[str, float] = {}
@@ -170,7 +174,9 @@ class AutoParallel:
         plan = plan or optimizer.get_solution()
         problem = optimizer.problem
         start = time.perf_counter()
-        module = apply_placement(self.model, problem.joint, problem.space, plan, self.mesh)
+        module = apply_placement(
+            self.model, problem.joint, problem.space, plan, self.mesh, dynamic=self.dynamic, mp_policy=self.mp_policy
+        )
         self.stage_times_s["apply"] = time.perf_counter() - start
         return module
 
@@ -218,15 +224,14 @@ def auto_parallel(
             output tensor.
         parameter_memory_budget: ``(low, high)`` bytes per device for the parameter memory
             constraint (``(None, None)`` = the defaults); ``None`` adds no constraint.
-        dynamic: not supported yet (a different batch size needs a new plan).
+        dynamic: accept other input sizes at run time without planning again (see
+            :class:`AutoParallel`).
         planner_options: passed to :class:`AutoParallel` (hardware, gpus_per_node, ...).
     """
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.placement_types import Placement
     from torch.utils._pytree import tree_flatten
 
-    if dynamic:
-        raise NotImplementedError("dynamic=True is not supported yet: plan for the batch size you run with")
     raw = sample_inputs() if callable(sample_inputs) else sample_inputs
     leaves, spec = tree_flatten(raw)
     placements = [
@@ -243,7 +248,7 @@ def auto_parallel(
         return isinstance(node, (tuple, list)) and len(node) > 0 and all(isinstance(p, Placement) for p in node)
 
     output_placements, _ = tree_flatten(out_shardings, is_leaf=is_placement_tuple)
-    with AutoParallel(model, input_fn, mesh, mp_policy, **planner_options) as autop:
+    with AutoParallel(model, input_fn, mesh, mp_policy, dynamic=dynamic, **planner_options) as autop:
         autop.add_input_constraints(placements)
         autop.add_output_constraints(output_placements)
         if parameter_memory_budget is not None:

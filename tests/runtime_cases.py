@@ -196,3 +196,40 @@ def simple_api(rank: int, world_size: int) -> float:
     output = parallel(_local_rows(batch, mesh))
     expected = _local_rows(reference_model("mlp")(batch), mesh)
     return (output - expected).abs().max().item()
+
+
+def dynamic_batch_sizes(rank: int, world_size: int) -> dict[int, tuple[float, float]]:
+    """auto_parallel(dynamic=True) planned for a global batch of 8 runs 4 and 12 unchanged.
+
+    Returns per global batch size: (max output error, max gradient error) against the
+    single-process model on the same tokens.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from autoparallel import auto_parallel
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    planned = global_batches("llama")[0]
+    sample = DTensor.from_local(_local_rows(planned, mesh), mesh, [Shard(0)], run_check=False)
+    parallel = auto_parallel(
+        build("llama"), mesh, sample, out_shardings=(Shard(0),), parameter_memory_budget=(None, None),
+        hardware="cpu", dynamic=True,
+    )
+    parallel.to_empty(device="cpu")
+    parallel.init_weights(seed=0)
+    reference = reference_model("llama")
+    generator = torch.Generator().manual_seed(99)
+    errors = {}
+    for batch_size in (4, 12, 8):
+        tokens = torch.randint(0, LLAMA.vocab_size, (batch_size, planned.shape[1]), generator=generator)
+        output = parallel(_local_rows(tokens, mesh))
+        (output.float().pow(2).sum() / (output.numel() * world_size)).backward()
+        grads = full_grads(parallel)
+        expected = reference(tokens)
+        expected.float().pow(2).mean().backward()
+        output_error = (output - _local_rows(expected.detach(), mesh)).abs().max().item()
+        grad_error = max((grads[name] - p.grad).abs().max().item() for name, p in reference.named_parameters())
+        errors[batch_size] = (output_error, grad_error)
+        parallel.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    return errors

@@ -6,6 +6,7 @@ import pytest
 from runtime_cases import (
     LR,
     STEPS,
+    dynamic_batch_sizes,
     global_batches,
     inference_and_state,
     init_matches_reference,
@@ -100,3 +101,10 @@ def test_to_empty_and_init_weights_match_the_original():
 
 def test_simple_api_auto_parallel():
     assert max(run_distributed(simple_api, 2, timeout_s=120)) < TOLERANCE
+
+
+def test_dynamic_batch_sizes_run_without_replanning():
+    for errors in run_distributed(dynamic_batch_sizes, 2, timeout_s=240):
+        assert sorted(errors) == [4, 8, 12]
+        for output_error, grad_error in errors.values():
+            assert output_error < TOLERANCE and grad_error < TOLERANCE

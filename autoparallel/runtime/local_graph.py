@@ -76,6 +76,12 @@ class TracedPhase:
             # phase itself rather than a graph we traced for other tensors.
             return list(self.function(*tensors))
         if self.graph_module is None:
-            with torch.no_grad():
-                self.graph_module = make_fx(self.function)(*tensors)
+            self._trace(*tensors)
         return list(self.graph_module(*tensors))
+
+    # Our own tracing must never be captured by torch.compile (a frame Dynamo skipped can
+    # still reach here eagerly while compile is active).
+    @torch.compiler.disable
+    def _trace(self, *tensors: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.graph_module = make_fx(self.function)(*tensors)

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel.runtime.dynamic import ShapeVariants
 from autoparallel.runtime.executor import JointExecutor, redistribute
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
 from autoparallel.shapes import local_shape
@@ -45,14 +46,29 @@ class InputMismatchError(ValueError):
 
 
 def apply_placement(
-    model: nn.Module, joint: JointGraph, space: StrategySpace, plan: Plan, mesh: DeviceMesh
+    model: nn.Module,
+    joint: JointGraph,
+    space: StrategySpace,
+    plan: Plan,
+    mesh: DeviceMesh,
+    dynamic: bool = False,
+    mp_policy: Any = None,
 ) -> nn.Module:
-    """Build the parallel module of ``model`` for ``plan`` (see the module docstring)."""
+    """Build the parallel module of ``model`` for ``plan`` (see the module docstring).
+
+    With ``dynamic`` the module also accepts inputs of other sizes (see runtime/dynamic.py);
+    ``mp_policy`` is then needed to trace the model again as it was planned.
+    """
     device = torch.device(mesh.device_type)
     local_sources = {node.name for node, ns in space.nodes.items() if ns.source in LOCAL_SOURCES}
-    executor = JointExecutor(joint, plan, mesh, local_sources, device)
+
+    def make_runtime(graph: JointGraph) -> _Runtime:
+        return _Runtime(graph, plan, mesh, JointExecutor(graph, plan, mesh, local_sources, device))
+
+    runtime = make_runtime(joint)
+    if dynamic:
+        runtime.variants = ShapeVariants(model, mp_policy, joint, plan, tuple(mesh.shape), make_runtime)
     parallel = _copy_with_dtensors(model, plan, mesh)
-    runtime = _Runtime(joint, plan, mesh, executor)
     cls = type(model)
     parallel_cls = type(
         f"AutoParallel{cls.__name__}",
@@ -112,6 +128,7 @@ class _Runtime:
         self.forward_phase = TracedPhase("forward", self._forward_program)
         self.backward_phase = TracedPhase("backward", self._backward_program)
         self.inference_phase = TracedPhase("inference", self._inference_program)
+        self.variants: ShapeVariants | None = None  # set when planned with dynamic=True
 
     # torch.compile guards on a constant by equality: one runtime equals only itself.
     def __eq__(self, other: object) -> bool:
@@ -122,25 +139,47 @@ class _Runtime:
 
     # ------------------------------------------------------------------ inputs
 
-    def check_inputs(self, leaves: list[Any], spec: Any) -> None:
+    def for_inputs(self, leaves: list[Any], spec: Any) -> "_Runtime":
+        """The runtime that runs these inputs: this one, or (dynamic) the one for their sizes."""
+        self._check_structure(leaves, spec)
+        if self.variants is not None and torch.compiler.is_compiling():
+            raise InputMismatchError(
+                "a module planned with dynamic=True runs eagerly only (other input sizes are traced again at "
+                "run time, which torch.compile cannot follow): plan without dynamic=True to compile it"
+            )
+        if self.variants is not None and any(
+            tuple(leaf.shape) != local_shape(shape, placements, self.mesh.shape)
+            for leaf, shape, placements in zip(leaves, self.input_shapes, self.plan.input_placements)
+        ):
+            runtime = self.variants.runtime_for(leaves)
+            runtime.check_inputs(leaves)
+            return runtime
+        self.check_inputs(leaves)
+        return self
+
+    def _check_structure(self, leaves: list[Any], spec: Any) -> None:
         if spec != self.joint.in_spec:
             raise InputMismatchError(
                 f"inputs have structure {spec} but the model was planned with {self.joint.in_spec}; "
                 "pass the same arguments (positional/keyword) as input_fn() returned"
             )
-        for index, (leaf, shape, dtype, placements) in enumerate(
-            zip(leaves, self.input_shapes, self.input_dtypes, self.plan.input_placements)
-        ):
+        for index, (leaf, shape, dtype) in enumerate(zip(leaves, self.input_shapes, self.input_dtypes)):
             if not isinstance(leaf, torch.Tensor):
                 raise InputMismatchError(f"input {index} must be a tensor, got {type(leaf).__name__}")
+            if leaf.dtype != dtype:
+                raise InputMismatchError(f"input {index}: expected dtype {dtype}, got {leaf.dtype}")
+            if leaf.ndim != len(shape):
+                raise InputMismatchError(f"input {index}: expected {len(shape)} dimensions, got shape {tuple(leaf.shape)}")
+
+    def check_inputs(self, leaves: list[Any]) -> None:
+        for index, (leaf, shape, placements) in enumerate(zip(leaves, self.input_shapes, self.plan.input_placements)):
             expected = local_shape(shape, placements, self.mesh.shape)
             if tuple(leaf.shape) != expected:
                 raise InputMismatchError(
                     f"input {index}: expected local shape {expected} on this rank, got {tuple(leaf.shape)}; "
                     f"{self._explain_local(shape, placements)}"
+                    + ("" if self.variants is not None else "; plan with dynamic=True to accept other sizes")
                 )
-            if leaf.dtype != dtype:
-                raise InputMismatchError(f"input {index}: expected dtype {dtype}, got {leaf.dtype}")
 
     def _explain_local(self, shape: tuple, placements: tuple) -> str:
         names = self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
@@ -259,9 +298,8 @@ def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.
 
 
 def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    runtime: _Runtime = self._autoparallel
     leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
-    runtime.check_inputs(leaves, spec)
+    runtime: _Runtime = self._autoparallel.for_inputs(leaves, spec)
     params = _local_tensors(self, list(runtime.joint.params), self.get_parameter)
     buffers = _local_tensors(self, list(runtime.joint.buffers), self.get_buffer)
     if torch.is_grad_enabled():
