@@ -160,38 +160,40 @@ def gradient_chain_edges(grad_node: fx.Node, reduce_dtype: torch.dtype) -> list[
 def reduction_dtype_constraints(problem: Problem, policy: MixedPrecisionPolicy) -> list[UserConstraint]:
     """Keep each parameter gradient unreduced until it is in ``reduce_dtype``.
 
-    For each edge of :func:`gradient_chain_edges` and each mesh dim, the producer emits
-    ``Partial`` exactly when the consumer takes ``Partial``: no all-reduce or
-    reduce-scatter can sit on that edge. Returns one named constraint per parameter; none
-    when the policy does not change the reduction dtype.
+    On each edge of :func:`gradient_chain_edges`, the placement pairs that would reduce
+    (``Partial`` on a mesh dim at the producer, not at the consumer) are forbidden: one row
+    holding their pair variables at zero, which the solver's presolve removes outright.
+    Returns one named constraint per parameter; none when the policy does not change the
+    reduction dtype.
     """
     if policy.reduce_dtype is None or policy.param_dtype is None or policy.reduce_dtype == policy.param_dtype:
         return []
-    joint, space = problem.joint, problem.space
+    columns_of = {id(edge): columns for edge, columns in zip(problem.tables.edges, problem.edge_columns)}
     constraints = []
-    for name, grad_node in joint.param_grads.items():
-        rows = []
-        for consumer in gradient_chain_edges(grad_node, policy.reduce_dtype):
-            rows.extend(_same_partial_rows(problem, consumer.all_input_nodes[0], consumer))
-        if rows:
+    for name, grad_node in problem.joint.param_grads.items():
+        forbidden = [
+            _reducing_pair_columns(edge, columns_of[id(edge)])
+            for consumer in gradient_chain_edges(grad_node, policy.reduce_dtype)
+            for edge in problem.tables.incoming.get(consumer, [])
+            if edge.kind == "arg"
+        ]
+        columns = np.concatenate(forbidden) if forbidden else np.zeros(0, dtype=np.int64)
+        if len(columns):
+            row = Row(columns.astype(np.int64), np.ones(len(columns)), 0.0, 0.0)
             description = f"gradient of {name} reduced in {policy.reduce_dtype}"
-            constraints.append(UserConstraint(f"mixed_precision:{name}", description, rows))
+            constraints.append(UserConstraint(f"mixed_precision:{name}", description, [row]))
     return constraints
 
 
-def _same_partial_rows(problem: Problem, producer: fx.Node, consumer: fx.Node) -> list[Row]:
-    space = problem.space
-    producer_strategies = space[producer].strategies
-    consumer_strategies = space[consumer].strategies
-    rows = []
-    for mesh_dim in range(len(space.mesh_shape)):
-        partial_out = [i for i, s in enumerate(producer_strategies) if _partial_at(s.output, mesh_dim)]
-        partial_in = [i for i, s in enumerate(consumer_strategies) if _partial_at(s.inputs[0], mesh_dim)]
-        columns = np.concatenate([problem.node_columns[producer][partial_out], problem.node_columns[consumer][partial_in]])
-        values = np.concatenate([np.ones(len(partial_out)), -np.ones(len(partial_in))])
-        if len(columns):
-            rows.append(Row(columns.astype(np.int64), values, 0.0, 0.0))
-    return rows
+def _reducing_pair_columns(edge: Any, columns: np.ndarray) -> np.ndarray:
+    """Pair variables of ``edge`` whose redistribution sums a Partial placement."""
+    reducing = [
+        column
+        for column, (src, dst, _, _) in zip(columns, edge.pairs)
+        if any(_partial_at(edge.src_options[src], d) and not _partial_at(edge.dst_options[dst], d)
+               for d in range(len(edge.src_options[src] or ())))
+    ]
+    return np.array(reducing, dtype=np.int64)
 
 
 def _partial_at(placements: Any, mesh_dim: int) -> bool:
