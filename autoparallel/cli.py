@@ -33,6 +33,8 @@ __all__ = ["build_parser", "collapse_layers", "main", "summary_lines"]
 LLAMA_PRESETS = ("llama3-8b", "llama3-70b", "tiny")
 BUILTIN_MODELS = LLAMA_PRESETS + ("gpt2",)
 DEFAULT_LLAMA_LAYERS = 2
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""--param-dtype / --reduce-dtype names -> torch dtype attribute names (torch loads lazily)."""
 DEFAULT_MESH_NAMES = ("dp", "tp", "cp", "ep")
 
 _MESH_RE = re.compile(r"^\d+(x\d+)*$")
@@ -97,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-budget", default="default",
                       help="parameter memory per device: none, default (as sharded as possible) or bytes "
                       "(e.g. 2e9, 16GiB)")
+    plan.add_argument("--param-dtype", choices=sorted(DTYPES), default=None,
+                      help="mixed precision: compute in this dtype (parameters stay in their own)")
+    plan.add_argument("--reduce-dtype", choices=sorted(DTYPES), default=None,
+                      help="mixed precision: reduce gradients in this dtype (default: the compute dtype)")
     plan.add_argument("--out", type=Path, default=None, help="write the plan as JSON here")
     plan.add_argument("--html", type=Path, default=None, help="write a self-contained HTML report here")
     saving = plan.add_mutually_exclusive_group()
@@ -127,6 +133,20 @@ class PlanRequest:
     html: Path | None
     verbose: bool
     save: Path | None = None
+    param_dtype: str | None = None  # a key of DTYPES
+    reduce_dtype: str | None = None
+
+    def mp_policy(self) -> Any:
+        """torch's MixedPrecisionPolicy for the dtype flags, or None without them."""
+        if self.param_dtype is None and self.reduce_dtype is None:
+            return None
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        def dtype(name: str | None) -> Any:
+            return getattr(torch, DTYPES[name]) if name else None
+
+        return MixedPrecisionPolicy(param_dtype=dtype(self.param_dtype), reduce_dtype=dtype(self.reduce_dtype))
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -192,8 +212,11 @@ def validate(args: argparse.Namespace) -> PlanRequest:
     save = None if args.no_save else args.save or default_problem_path(args.out)
     if save is not None and args.out is not None and save.resolve() == args.out.resolve():
         raise UsageError(f"--save {save} and --out {args.out} name the same file; the problem needs a file of its own")
+    if args.reduce_dtype is not None and args.param_dtype is None:
+        raise UsageError("--reduce-dtype needs --param-dtype (the dtype the model computes in)")
     return PlanRequest(model, shape, names, args.batch, args.seq, hardware, args.gpus_per_node, layers,
-                       parse_memory_budget(args.memory_budget), args.out, args.html, args.verbose, save)
+                       parse_memory_budget(args.memory_budget), args.out, args.html, args.verbose, save,
+                       args.param_dtype, args.reduce_dtype)
 
 
 def default_problem_path(out: Path | None) -> Path | None:
@@ -299,7 +322,9 @@ def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
     try:
         mesh = init_device_mesh("cpu", request.mesh_shape, mesh_dim_names=request.mesh_names)
         start = time.perf_counter()
-        with AutoParallel(model, input_fn, mesh, hardware=request.hardware, gpus_per_node=request.gpus_per_node) as autop:
+        with AutoParallel(
+            model, input_fn, mesh, request.mp_policy(), hardware=request.hardware, gpus_per_node=request.gpus_per_node
+        ) as autop:
             joint = autop.sharding_optimizer.problem.joint
             ndim = len(request.mesh_shape)
             autop.add_input_constraints(_batch_constraints(joint.user_inputs, request.batch, ndim))
@@ -328,6 +353,8 @@ def _run_info(request: PlanRequest, stage_times_s: Mapping[str, float], elapsed_
         "batch": request.batch,
         "seq": request.seq,
         "memory_budget": "none" if budget is None else (budget if isinstance(budget, str) else f"{budget:.0f} bytes"),
+        "param_dtype": request.param_dtype,
+        "reduce_dtype": request.reduce_dtype,
         "stage_times_s": {k: round(float(v), 3) for k, v in stage_times_s.items()},
         "planning_s": round(elapsed_s, 3),
     }

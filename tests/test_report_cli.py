@@ -242,6 +242,15 @@ def test_cli_plans_tiny_model(tmp_path: Path) -> None:
     assert "layers.0-1." in result.stdout or "layers.0." in result.stdout
 
 
+def test_cli_plans_in_mixed_precision(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    result = run_cli("plan", "--model", "tiny", "--mesh", "2", "--batch", "8", "--seq", "32",
+                     "--param-dtype", "bf16", "--reduce-dtype", "fp32", "--no-save", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = json.loads(out.read_text())["run"]
+    assert (run["param_dtype"], run["reduce_dtype"]) == ("bf16", "fp32")
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -252,6 +261,8 @@ def test_cli_plans_tiny_model(tmp_path: Path) -> None:
         (["--mesh", "2x2", "--seq", "0"], "--seq"),
         (["--mesh", "2x2", "--memory-budget", "lots"], "--memory-budget"),
         (["--mesh", "2x2", "--batch", "eight"], "--batch"),
+        (["--mesh", "2x2", "--reduce-dtype", "fp32"], "--reduce-dtype"),
+        (["--mesh", "2x2", "--param-dtype", "int8"], "--param-dtype"),
     ],
 )
 def test_cli_bad_arguments(args: list[str], needle: str) -> None:
