@@ -131,3 +131,18 @@ def test_training_matches_fully_shard_and_single_process_in_bf16():
         # AdamW moves a weight by about lr whatever its gradient's size, so a near-zero
         # gradient whose sign bf16 rounding flips differs by up to 2 * lr per step.
         assert _max_abs_error(ours["params"], other["params"]) < 2 * STEPS * LR
+
+
+def test_auto_parallel_takes_the_policy_too(fake_mesh):
+    from autoparallel import auto_parallel
+
+    mesh = fake_mesh((4,))
+    sample = torch.empty(4096, 256)
+    parallel = auto_parallel(meta(lambda: MLP(256, 1024)), mesh, sample, out_shardings=(Shard(0),),
+                             mp_policy=POLICY, parameter_memory_budget=(None, None))
+    runtime = parallel._autoparallel
+    nodes = {n.name: n for n in runtime.joint.graph.nodes}
+    gathered = {nodes[a.producer].meta["val"].dtype for _, a in runtime.plan.redistributions()
+                if isinstance(a.src[0], Shard) and isinstance(a.dst[0], Replicate)}
+    assert torch.bfloat16 in gathered
+    assert {p.dtype for p in parallel.parameters()} == {torch.float32}
