@@ -146,8 +146,25 @@ class AutoParallel:
         return self.sharding_optimizer.add_parameter_memory_constraint(low, high)
 
     def optimize_placement(self, verbose: bool = False) -> Plan:
+        """Solve the problem and return the plan.
+
+        When the mesh spans every rank of a real process group, only the mesh's first rank
+        solves and the plan (plain data) is broadcast: every rank applies the very same plan
+        (a tie between equally cheap plans can never split the ranks), and the ranks do not
+        all run the solver at once. Otherwise (one process, the fake process group, a mesh
+        over part of the world) this process solves.
+        """
         start = time.perf_counter()
-        plan = self.sharding_optimizer.resolve(verbose=verbose)
+        optimizer = self.sharding_optimizer
+        if not _shares_plan(self.mesh):
+            plan = optimizer.resolve(verbose=verbose)
+        else:
+            import torch.distributed as dist
+
+            source = int(self.mesh.mesh.flatten()[0])
+            shared = [optimizer.resolve(verbose=verbose) if dist.get_rank() == source else None]
+            dist.broadcast_object_list(shared, src=source)
+            plan = shared[0] if dist.get_rank() == source else optimizer.adopt(shared[0], verbose=verbose)
         self.stage_times_s["solve"] = time.perf_counter() - start
         return plan
 
@@ -201,6 +218,15 @@ class AutoParallel:
             checked.append((index, node, placements, label))
         optimizer = self.sharding_optimizer
         return [optimizer.add_placement_constraint(node, p, f"{what}:{i}", label) for i, node, p, label in checked]
+
+
+def _shares_plan(mesh: DeviceMesh) -> bool:
+    """Whether one rank solves for all: a real multi-rank group that the mesh spans."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2 or dist.get_backend() == "fake":
+        return False
+    return mesh.size() == dist.get_world_size()
 
 
 def auto_parallel(

@@ -1,6 +1,6 @@
 """Training-step time of autoparallel's parallel module vs torch's FSDP2 and DDP, on gloo CPU.
 
-    python benchmarks/step_time.py --model mlp|llama-tiny --nproc 2 --steps 10 --warmup 3
+    python benchmarks/step_time.py --model mlp|llama-tiny --nproc 2 --steps 10 --warmup 3 [--compile]
 
 Every variant trains the same model (same init, seed 0), on the same 1-D mesh of ``--nproc``
 CPU ranks, with the same global batch split by rows (each rank feeds its LOCAL slice), with
@@ -17,12 +17,22 @@ Comparisons, one JSON line each on stdout (children's output goes to stderr):
 
 ``ratio`` is ours / theirs (below 1: ours is faster). While ``AutoParallel.apply_placement``
 does not exist, ours is reported as unavailable and the baselines are still timed.
+
+``--compile`` also times ours under ``torch.compile(parallel, backend=autoparallel_backend(),
+fullgraph=True)`` (same plan, same steps) and adds it to each line: ``ours_compiled``,
+``ratio_compiled_over_eager`` (compiled ours / eager ours) and ``ratio_compiled_over_theirs``.
+Compilation happens in the first steps (the forward on the first call, the backward on the
+first ``backward()``), which are warm-up steps and never timed: ``--compile`` needs
+``--warmup`` >= 1; ``compiled_in_timed_steps`` (0 expected) counts graphs compiled after the
+warm-up. Every variant reports ``first_step_ms``, its first (untimed) step: for ours that
+includes tracing the local graphs, or compiling.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -39,11 +49,13 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script from a checkout: make `autoparallel` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autoparallel import AutoParallel  # noqa: E402
+from autoparallel import AutoParallel, autoparallel_backend  # noqa: E402
 from autoparallel.models import MLP, Llama, llama_config  # noqa: E402
 from autoparallel.testing import run_distributed  # noqa: E402
 
 MODELS = ("mlp", "llama-tiny")
+COMPILED = "+compile"
+"""Suffix of the variants of ours run under torch.compile(..., backend=autoparallel_backend())."""
 MLP_DIM, MLP_HIDDEN, MLP_BATCH = 512, 2048, 64
 LLAMA_BATCH, LLAMA_SEQ = 8, 32
 LR = 1e-3
@@ -164,16 +176,23 @@ def time_variant(
     elif variant == "ddp":
         model = _build_ddp(model_name)
     else:
-        model, extra = _build_ours(model_name, mesh, memory=(variant == "ours-memory"), hardware=hardware)
+        memory = variant.startswith("ours-memory")
+        model, extra = _build_ours(model_name, mesh, memory=memory, hardware=hardware)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    # Compiled variants: the first call compiles the forward, the first backward() the
+    # backward, both inside the (untimed) warm-up steps.
+    run = torch.compile(model, backend=autoparallel_backend(), fullgraph=True) if variant.endswith(COMPILED) else model
+    compiles = _CompileCounter()
     inputs, targets = global_batch(model_name)
     inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
     times, losses = [], []
-    for _ in range(warmup + steps):
+    for step in range(warmup + steps):
+        if step == warmup:
+            compiles_in_warmup = compiles.count
         dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_of(model(inputs), targets)
+        loss = loss_of(run(inputs), targets)
         # Our module's gradients are those of the SUM of the ranks' losses (it computes the
         # global model); FSDP2/DDP average. Scaling by 1/world_size gives both the same
         # gradients of the global mean loss.
@@ -185,13 +204,38 @@ def time_variant(
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     global_loss = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(global_loss)  # gloo has no ReduceOp.AVG
+    if variant.endswith(COMPILED):  # a compile inside the timed steps would spoil the median
+        extra["graphs_compiled"] = compiles.count
+        extra["compiled_in_timed_steps"] = compiles.count - compiles_in_warmup
+    compiles.close()
+    first = torch.tensor(times[:1], dtype=torch.float64)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)
     return {
         "step_s": slowest.tolist(),
+        "first_step_ms": round(1e3 * first[0].item(), 1) if warmup else None,
         "loss_first": global_loss[0].item() / world_size,
         "loss_last": global_loss[-1].item() / world_size,
         "param_bytes_per_rank": _local_param_bytes(model),
         **extra,
     }
+
+
+class _CompileCounter(logging.Handler):
+    """Counts the graphs autoparallel_backend() compiles (it logs one INFO line per graph)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+        self.logger = logging.getLogger("autoparallel.compile")
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        self.logger.removeHandler(self)
+        super().close()
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -219,8 +263,17 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 
 
 def _summary(result: dict) -> dict:
-    keep = ("median_ms", "loss_first", "loss_last", "param_bytes_per_rank", "planning_s", "error", "reason")
+    keep = (
+        "median_ms", "first_step_ms", "loss_first", "loss_last", "param_bytes_per_rank", "planning_s",
+        "graphs_compiled", "compiled_in_timed_steps", "error", "reason",
+    )
     return {key: result[key] for key in keep if key in result}
+
+
+def _ratio(a: dict, b: dict) -> float | None:
+    if a["status"] == "ok" and b["status"] == "ok":
+        return round(a["median_ms"] / b["median_ms"], 3)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,9 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--hardware", default="cpu", help="hardware preset the planner prices for")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant before giving up")
+    parser.add_argument(
+        "--compile", action="store_true", help="also time ours under torch.compile(backend=autoparallel_backend())"
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.nproc < 1:
         parser.error("need --steps >= 1, --warmup >= 0, --nproc >= 1")
+    if args.compile and args.warmup < 1:
+        parser.error("--compile needs --warmup >= 1: the first step compiles and must not be timed")
 
     ours_available = hasattr(AutoParallel, "apply_placement")
     comparisons = [("memory", "ours-memory", "fsdp2"), ("free", "ours-free", "ddp")]
@@ -245,9 +303,14 @@ def main(argv: list[str] | None = None) -> int:
             ours = {"status": "unavailable", "reason": "AutoParallel.apply_placement does not exist yet"}
         theirs = run_variant(theirs_variant, args)
         failed |= ours["status"] == "error" or theirs["status"] == "error"
-        ratio = None
-        if ours["status"] == "ok" and theirs["status"] == "ok":
-            ratio = round(ours["median_ms"] / theirs["median_ms"], 3)
+        ratio = _ratio(ours, theirs)
+        compiled = None
+        if args.compile:
+            if ours_available:
+                compiled = run_variant(ours_variant + COMPILED, args)
+            else:
+                compiled = {"status": "unavailable", "reason": "AutoParallel.apply_placement does not exist yet"}
+            failed |= compiled["status"] == "error"
         line = {
             "model": args.model,
             "nproc": args.nproc,
@@ -261,6 +324,15 @@ def main(argv: list[str] | None = None) -> int:
             "theirs": _summary(theirs),
             "ratio_ours_over_theirs": ratio,
         }
+        if compiled is not None:
+            line.update(
+                {
+                    "ours_compiled_status": compiled["status"],
+                    "ours_compiled": _summary(compiled),
+                    "ratio_compiled_over_eager": _ratio(compiled, ours),
+                    "ratio_compiled_over_theirs": _ratio(compiled, theirs),
+                }
+            )
         print(json.dumps(line), flush=True)
     return 1 if failed else 0
 

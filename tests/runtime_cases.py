@@ -233,3 +233,13 @@ def dynamic_batch_sizes(rank: int, world_size: int) -> dict[int, tuple[float, fl
         parallel.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
     return errors
+
+
+def plan_is_shared(rank: int, world_size: int) -> dict[str, Any]:
+    """optimize_placement on real ranks: rank 0 solves, the others adopt its plan."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    with AutoParallel(build("mlp"), lambda: torch.empty(64, 64), mesh, hardware="cpu") as autop:
+        autop.add_input_constraints([(Shard(0),)])
+        plan = autop.optimize_placement()
+        solved_here = autop.sharding_optimizer._solution is not None  # only the solving rank has one
+    return {"solved_here": solved_here, "placements": {k: placement_str(v) for k, v in plan.param_placements.items()}}

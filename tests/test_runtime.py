@@ -7,6 +7,7 @@ from runtime_cases import (
     LR,
     STEPS,
     dynamic_batch_sizes,
+    plan_is_shared,
     global_batches,
     inference_and_state,
     init_matches_reference,
@@ -108,3 +109,9 @@ def test_dynamic_batch_sizes_run_without_replanning():
         assert sorted(errors) == [4, 8, 12]
         for output_error, grad_error in errors.values():
             assert output_error < TOLERANCE and grad_error < TOLERANCE
+
+
+def test_one_rank_solves_and_every_rank_applies_its_plan():
+    first, second = run_distributed(plan_is_shared, 2, timeout_s=120)
+    assert (first["solved_here"], second["solved_here"]) == (True, False)
+    assert first["placements"] == second["placements"]

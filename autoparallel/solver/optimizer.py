@@ -84,6 +84,13 @@ class ShardingOptimizer:
         log_plan(self._plan, logging.INFO if verbose else logging.DEBUG)
         return self._plan
 
+    def adopt(self, plan: Plan, verbose: bool = False) -> Plan:
+        """Take a plan solved elsewhere (another rank's solve of this same problem)."""
+        self._solution = None
+        self._plan = plan
+        log_plan(plan, logging.INFO if verbose else logging.DEBUG)
+        return plan
+
     # ------------------------------------------------------------------ persistence
 
     def save(self, path: str) -> None:
