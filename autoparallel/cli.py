@@ -18,6 +18,7 @@ import importlib
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -461,6 +462,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(exc).split())  # one line, whatever a wrapped error said
         print(f"autoparallel {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `autoparallel explain plan.json | head`: the reader left
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush stays quiet
+        return 0
 
 
 if __name__ == "__main__":
