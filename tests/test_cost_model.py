@@ -312,3 +312,27 @@ def test_sdpa_flops_including_cpu_variant() -> None:
     lse_h = info(b, h // 4, s, dtype=torch.float32)
     sharded = compute_cost_us(aten._scaled_dot_product_flash_attention_for_cpu.default, (qh, qh, qh), {}, (qh, lse_h), H100)
     assert sharded == pytest.approx(expected_fwd / 4)
+
+
+# ------------------------------------------------------------------ fast pair pricing
+def test_pair_pricer_equals_the_reference_model_on_every_pair() -> None:
+    """The table builder's fast pricer must give exactly the reference prices (all pairs of
+    every Shard/Replicate/Partial tuple on a 3-D mesh, an uneven dim, a negative shard dim,
+    several dtypes, intra- and inter-node dims)."""
+    import itertools
+
+    from autoparallel.cost import PairPricer
+
+    topology = Topology((2, 4, 3), H100, gpus_per_node=4)
+    singles = [R, P, Partial("max"), Shard(0), Shard(1), Shard(2), Shard(-1)]
+    tuples = list(itertools.product(singles, repeat=3))
+    for tensor in (info(8, 12, 6), info(6, 5, 7, dtype=torch.float32), info(24, 8, 9, dtype=torch.int64)):
+        pricer = PairPricer(tensor, topology)
+        for src in tuples:
+            for dst in tuples:
+                comm, transition = pricer.price(src, dst)
+                assert transition == transition_cost_us(src, dst)
+                expected = redistribution_cost_us(tensor, src, dst, topology)
+                assert comm == expected or (math.isinf(comm) and math.isinf(expected)), (tensor, src, dst)
+    with pytest.raises(ValueError):
+        PairPricer(info(8, 8), topology).price((R,), (R, R, R))

@@ -2,9 +2,10 @@
 
 from autoparallel.cost.collectives import all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
 from autoparallel.cost.compute import bytes_moved, compute_cost_us, flop_count, is_free_op
-from autoparallel.cost.redistribution import TRANSITION_COST_US, redistribution_cost_us, transition_cost_us
+from autoparallel.cost.redistribution import TRANSITION_COST_US, PairPricer, redistribution_cost_us, transition_cost_us
 
 __all__ = [
+    "PairPricer",
     "TRANSITION_COST_US",
     "all_gather_us",
     "all_reduce_us",

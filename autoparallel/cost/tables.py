@@ -4,7 +4,9 @@ Two kinds of price, both in microseconds:
 
 * compute, per (node, strategy): the roofline time of the op on the local shapes the
   strategy implies;
-* redistribution, per edge and per distinct (producer placement, required placement) pair.
+* redistribution, per edge and per distinct (producer placement, required placement) pair,
+  priced by :class:`~autoparallel.cost.redistribution.PairPricer` (the reference model on
+  integer codes with memoized local sizes: the same numbers, several times faster).
 
 An *edge* is one (producer, consumer, input slot) triple, so ``x * x`` has two edges. Three
 boundary edges tie the backward to the forward: a parameter's gradient must arrive in the
@@ -15,7 +17,6 @@ leave in the placement its tangent (incoming gradient) has.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel.cost.compute import compute_cost_us
-from autoparallel.cost.redistribution import redistribution_cost_us, transition_cost_us
+from autoparallel.cost.redistribution import PairPricer
 from autoparallel.shapes import TensorInfo, local_shape
 from autoparallel.strategies.types import NodeStrategies, OutputPlacements, StrategySpace, is_multi
 from autoparallel.topology import Topology
@@ -84,6 +85,7 @@ class PriceCache:
     required: dict[tuple, tuple[list, list[int]]] = field(default_factory=dict)
     option_ids: dict[int, int] = field(default_factory=dict)
     option_lists: dict[tuple, int] = field(default_factory=dict)
+    pricers: dict[TensorInfo, PairPricer] = field(default_factory=dict)
 
     def canonical(self, options: list) -> int:
         """One small integer per distinct option list (hashed once per list object)."""
@@ -143,7 +145,12 @@ def _edge(
     key = (info, cache.canonical(src_options), cache.canonical(dst_options))
     pairs = cache.pairs.get(key)
     if pairs is None:
-        pairs = cache.pairs[key] = _price_pairs(info, src_options, dst_options, topology)
+        pricer = None
+        if info is not None:
+            pricer = cache.pricers.get(info)
+            if pricer is None:
+                pricer = cache.pricers[info] = PairPricer(info, topology)
+        pairs = cache.pairs[key] = _price_pairs(pricer, src_options, dst_options)
     src_index = cache.required.get(("src", id(producer.strategies)))
     if src_index is None:
         index = _index(src_options)
@@ -174,22 +181,13 @@ def _required(consumer: NodeStrategies, slot: int | None, cache: PriceCache) -> 
     return found
 
 
-def _price_pairs(
-    info: TensorInfo | None, src_options: list, dst_options: list, topology: Topology
-) -> list[tuple[int, int, float, float]]:
-    """Feasible (src index, dst index, comm us, transition us) of one edge."""
-    pairs = []
-    for i, src in enumerate(src_options):
-        for j, dst in enumerate(dst_options):
-            if src == dst:
-                pairs.append((i, j, 0.0, 0.0))
-                continue
-            if info is None or is_multi(src) or is_multi(dst):
-                continue  # tuples (multi-output values) are never redistributed as a whole
-            comm = redistribution_cost_us(info, src, dst, topology)
-            if math.isfinite(comm):
-                pairs.append((i, j, comm, transition_cost_us(src, dst)))
-    return pairs
+def _price_pairs(pricer: PairPricer | None, src_options: list, dst_options: list) -> list[tuple[int, int, float, float]]:
+    """Feasible (src index, dst index, comm us, transition us) of one edge (``pricer`` is
+    None for a non-tensor value). Tuples (multi-output values) are never redistributed as a
+    whole: only identical ones pair up."""
+    if pricer is None or any(is_multi(p) for p in src_options) or any(is_multi(p) for p in dst_options):
+        return [(i, j, 0.0, 0.0) for i, src in enumerate(src_options) for j, dst in enumerate(dst_options) if src == dst]
+    return pricer.price_table(src_options, dst_options)
 
 
 def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCache) -> list[float]:

@@ -176,19 +176,34 @@ def build_problem(
 ) -> Problem:
     """The MIP of the stage docstring; with ``folding``, each class of repeated nodes has
     one set of x columns, edges whose endpoints fold alike share their y columns, and a
-    shared column's cost is the sum over the members it stands for."""
+    shared column's cost is the sum over the members it stands for.
+
+    Built with numpy per distinct price list (lists are shared between repeated layers), so
+    the work grows with the number of edges, not with their pairs: an 80-layer model on a
+    3-D mesh has ~10^8 pairs before folding.
+    """
     folding = folding or no_folding(space)
     representative = folding.representative
-    objective: list[float] = []
-    integrality: list[bool] = []
+    num_columns = 0
+    integral_ranges: list[tuple[int, int]] = []
     node_columns: dict[fx.Node, np.ndarray] = {}
     rows: list[Row] = []
+    contributions: list[tuple[np.ndarray, np.ndarray]] = []  # (columns, costs), added in order
+    arrays: dict[int, np.ndarray] = {}  # id(price list) -> its numpy costs
 
     def new_columns(count: int, integral: bool) -> np.ndarray:
-        start = len(objective)
-        objective.extend([0.0] * count)
-        integrality.extend([integral] * count)
-        return np.arange(start, len(objective), dtype=np.int64)
+        nonlocal num_columns
+        start = num_columns
+        num_columns += count
+        if integral:
+            integral_ranges.append((start, num_columns))
+        return np.arange(start, num_columns, dtype=np.int64)
+
+    def as_array(values: list, convert) -> np.ndarray:
+        found = arrays.get(id(values))
+        if found is None:
+            found = arrays[id(values)] = convert(values)
+        return found
 
     for node in space.nodes:
         rep = representative[node]
@@ -196,20 +211,26 @@ def build_problem(
             node_columns[rep] = new_columns(len(space[rep].strategies), integral=True)
             rows.append(Row(node_columns[rep], np.ones(len(node_columns[rep])), 1.0, 1.0))
         columns = node_columns[node] = node_columns[rep]
-        for column, cost in zip(columns, tables.compute_us[node]):
-            objective[column] += cost
+        contributions.append((columns, as_array(tables.compute_us[node], lambda v: np.asarray(v, dtype=np.float64))))
 
     edge_columns = []
     shared_edges: dict[tuple, np.ndarray] = {}
+    groups = _Groups()
     for edge in tables.edges:
         key = (representative[edge.producer], representative[edge.consumer], edge.slot, edge.kind, id(edge.pairs))
         columns = shared_edges.get(key)
         if columns is None:
             columns = shared_edges[key] = new_columns(len(edge.pairs), integral=False)
-            rows.extend(_marginal_rows(edge, columns, node_columns))
-        for column, (_, _, comm, transition) in zip(columns, edge.pairs):
-            objective[column] += comm + transition
+            rows.extend(_marginal_rows(edge, columns, node_columns, groups))
+        contributions.append((columns, as_array(edge.pairs, _pair_costs)))
         edge_columns.append(columns)
+
+    objective = np.zeros(num_columns)
+    for columns, costs in contributions:
+        objective[columns] += costs  # columns are distinct within one contribution
+    integrality = np.zeros(num_columns, dtype=bool)
+    for start, stop in integral_ranges:
+        integrality[start:stop] = True
 
     for group in joint.tied_params:
         nodes = [joint.params[name] for name in group if name in joint.params]
@@ -223,8 +244,8 @@ def build_problem(
         tables=tables,
         node_columns=node_columns,
         edge_columns=edge_columns,
-        objective=np.array(objective),
-        integrality=np.array(integrality, dtype=bool),
+        objective=objective,
+        integrality=integrality,
         rows=rows,
         folding=folding,
     )
@@ -233,6 +254,38 @@ def build_problem(
         problem.num_variables, problem.num_constraints, len(space.nodes), folding.num_classes,
     )
     return problem
+
+
+def _pair_costs(pairs: list[tuple[int, int, float, float]]) -> np.ndarray:
+    """comm + transition of every pair, in pair order (the objective of its y column)."""
+    if not pairs:
+        return np.zeros(0)
+    table = np.asarray(pairs, dtype=np.float64).reshape(-1, 4)
+    return table[:, 2] + table[:, 3]
+
+
+class _Groups:
+    """Positions grouped by option, memoized per list object: for an index list ``of``
+    (pair -> option or strategy -> option), ``split(of, n)[k]`` are the positions with
+    option ``k``, in their original order (so rows come out exactly as a loop would)."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple, list[np.ndarray]] = {}
+        self._keep: list = []  # keep keyed objects alive: ids must not be reused
+
+    def split(self, key_object: object, position: int | None, values, count: int) -> list[np.ndarray]:
+        key = (id(key_object), position, count)
+        found = self._found.get(key)
+        if found is None:
+            if position is None:
+                of = np.asarray(values, dtype=np.int64)
+            else:
+                of = np.fromiter((pair[position] for pair in values), dtype=np.int64, count=len(values))
+            order = np.argsort(of, kind="stable")
+            bounds = np.searchsorted(of[order], np.arange(count + 1))
+            found = self._found[key] = [order[bounds[k] : bounds[k + 1]] for k in range(count)]
+            self._keep.append(key_object)
+        return found
 
 
 def _aggregated(row: Row) -> Row:
@@ -257,7 +310,9 @@ def _same_placement_rows(
     return rows
 
 
-def _marginal_rows(edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray]) -> list[Row]:
+def _marginal_rows(
+    edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray], groups: "_Groups"
+) -> list[Row]:
     """sum of y over pairs with src a == sum of producer x with output a; same for dst."""
     rows = []
     sides = (
@@ -265,11 +320,11 @@ def _marginal_rows(edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.No
         (1, edge.dst_options, edge.dst_of_strategy, node_columns[edge.consumer]),
     )
     for position, options, of_strategy, strategy_columns in sides:
-        of_strategy_array = np.asarray(of_strategy)
-        pair_option = np.array([pair[position] for pair in edge.pairs], dtype=np.int64)
+        by_pair = groups.split(edge.pairs, position, edge.pairs, len(options))
+        by_strategy = groups.split(of_strategy, None, of_strategy, len(options))
         for option in range(len(options)):
-            pair_cols = columns[pair_option == option]
-            node_cols = strategy_columns[of_strategy_array == option]
+            pair_cols = columns[by_pair[option]]
+            node_cols = strategy_columns[by_strategy[option]]
             row_columns = np.concatenate([pair_cols, node_cols])
             row_values = np.concatenate([np.ones(len(pair_cols)), -np.ones(len(node_cols))])
             rows.append(Row(row_columns, row_values, 0.0, 0.0))

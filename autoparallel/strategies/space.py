@@ -93,7 +93,7 @@ def _strategies_for(
     if not inputs:
         return NodeStrategies(node, [], [_replicated(node, 0, multi, mesh_shape)], "factory", multi)
 
-    key = _question(node, options)
+    key = _question(node, options, answers)
     if key in answers:
         valid, source = answers[key]
         if source == "fallback":
@@ -109,15 +109,21 @@ def _strategies_for(
     return NodeStrategies(node, inputs, valid, source, multi)
 
 
-def _question(node: fx.Node, options: dict[fx.Node, list[OutputPlacements]]) -> Any:
-    """Everything a node's strategies depend on besides the (fixed) mesh."""
+def _question(node: fx.Node, options: dict[fx.Node, list[OutputPlacements]], answers: dict) -> Any:
+    """Everything a node's strategies depend on besides the (fixed) mesh.
+
+    A producer's options enter as one small integer per distinct option list (the lists are
+    shared objects, see build_strategy_space, so each is hashed once per build): on a 3-D
+    mesh a list holds ~200 placement tuples and spelling it out for every node of an
+    80-layer graph was most of this stage.
+    """
 
     def describe(arg: Any) -> Any:
         if not isinstance(arg, fx.Node):
             return arg
         value = arg.meta.get("val")
         meta = (tuple(value.shape), tuple(value.stride()), value.dtype) if isinstance(value, torch.Tensor) else None
-        return ("node", meta, tuple(options[arg]))
+        return ("node", meta, _canonical(options[arg], answers))
 
     out = node.meta["val"]
     out_meta = (tuple(out.shape), tuple(out.stride()), out.dtype) if isinstance(out, torch.Tensor) else repr(out)
@@ -125,6 +131,17 @@ def _question(node: fx.Node, options: dict[fx.Node, list[OutputPlacements]]) -> 
         return (node.target, repr(tree_map(describe, (node.args, dict(node.kwargs)))), out_meta)
     except Exception:  # an argument without a stable repr: do not cache this node
         return object()
+
+
+def _canonical(option_list: list, answers: dict) -> int:
+    """One integer per distinct option list content (memoized per list object; ``answers``
+    keeps the lists alive, so their ids are not reused within a build)."""
+    key = ("canonical", id(option_list))
+    found = answers.get(key)
+    if found is None:
+        found = answers.setdefault(("canonical-content", tuple(option_list)), len(answers))
+        answers[key] = found
+    return found
 
 
 def _candidates(

@@ -1,0 +1,111 @@
+"""Speed-ups of the planning stages and the solver that must not change the plan's optimum:
+LP-first solving, the fast pair pricer behind the cost tables and the vectorized build."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import meta
+from planning import batch_sharded
+
+from autoparallel import AutoParallel
+from autoparallel.cost import redistribution_cost_us, transition_cost_us
+from autoparallel.models import Llama, llama_config
+from autoparallel.shapes import TensorInfo
+from autoparallel.solver.highs import SolverOptions, _run, solve
+
+CONFIG = llama_config("tiny")  # 2 layers
+
+
+def _autop(mesh) -> AutoParallel:
+    model = meta(lambda: Llama(CONFIG))
+    autop = AutoParallel(model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), mesh)
+    autop.__enter__()
+    inp = batch_sharded(mesh.ndim)
+    autop.add_input_constraints([inp])
+    autop.add_output_constraints([inp])
+    autop.add_parameter_memory_constraint()
+    return autop
+
+
+def test_lp_first_reaches_the_mip_optimum(fake_mesh):
+    problem = _autop(fake_mesh((2, 2))).sharding_optimizer.problem
+    lp_first = SolverOptions(lp_first=True, lp_first_min_variables=0)
+    highs, status, _ = _run(problem, list(problem.user_constraints), lp_first)
+    assert status == "Optimal"
+    assert highs.getOptionValue("solve_relaxation")[1] is True  # the relaxation was integral
+    relaxed = solve(problem, lp_first)
+    mip = solve(problem, SolverOptions(lp_first=False))
+    assert relaxed.stats.objective == pytest.approx(mip.stats.objective, rel=1e-9)
+    assert relaxed.stats.bound == relaxed.stats.objective and relaxed.stats.gap == 0.0
+    # the LP's choice is a valid plan of that price: re-price it from the tables
+    tables = problem.tables
+    total = sum(tables.compute_us[n][s] for n, s in relaxed.choice.items())
+    for edge in tables.edges:
+        i = edge.src_of_strategy[relaxed.choice[edge.producer]]
+        j = edge.dst_of_strategy[relaxed.choice[edge.consumer]]
+        total += next(c + t for a, b, c, t in edge.pairs if (a, b) == (i, j))
+    assert total == pytest.approx(relaxed.stats.objective, rel=1e-9)
+
+
+def test_small_problems_go_straight_to_the_mip(fake_mesh):
+    problem = _autop(fake_mesh((2,))).sharding_optimizer.problem
+    assert problem.num_variables < SolverOptions().lp_first_min_variables
+    highs, status, _ = _run(problem, list(problem.user_constraints), SolverOptions())
+    assert status == "Optimal" and highs.getOptionValue("solve_relaxation")[1] is False
+
+
+def test_cost_tables_hold_the_reference_prices(fake_mesh):
+    autop = _autop(fake_mesh((2, 2)))
+    problem = autop.sharding_optimizer.problem
+    topology = problem.tables.topology
+    checked = 0
+    for edge in problem.tables.edges:
+        value = edge.producer.meta["val"]
+        if not isinstance(value, torch.Tensor):
+            continue
+        tensor = TensorInfo(tuple(value.shape), value.dtype)
+        priced = {(i, j): (c, t) for i, j, c, t in edge.pairs}
+        for i, src in enumerate(edge.src_options):
+            for j, dst in enumerate(edge.dst_options):
+                expected = 0.0 if src == dst else redistribution_cost_us(tensor, src, dst, topology)
+                if math.isinf(expected):
+                    assert (i, j) not in priced
+                    continue
+                comm, transition = priced[(i, j)]
+                assert comm == expected
+                assert transition == (0.0 if src == dst else transition_cost_us(src, dst))
+                checked += 1
+    assert checked > 10_000
+
+
+def test_vectorized_build_prices_every_column_as_the_loop_did(fake_mesh):
+    """build_problem sums costs with numpy per shared price list; the objective must be the
+    member-by-member sum, and each edge's marginal rows must pair its columns with the
+    producer's (consumer's) strategies of the same option."""
+    import numpy as np
+
+    config = llama_config("tiny", n_layers=4)
+    model = meta(lambda: Llama(config))
+    with AutoParallel(model, lambda: torch.randint(0, config.vocab_size, (8, 32)), fake_mesh((2, 2))) as autop:
+        problem = autop.sharding_optimizer.problem
+    assert problem.folding.num_folded > 0
+    expected = [0.0] * problem.num_variables
+    for node, columns in problem.node_columns.items():
+        for column, cost in zip(columns, problem.tables.compute_us[node]):
+            expected[column] += cost
+    for edge, columns in zip(problem.tables.edges, problem.edge_columns):
+        for column, (_, _, comm, transition) in zip(columns, edge.pairs):
+            expected[column] += comm + transition
+    assert np.array_equal(problem.objective, np.array(expected))
+    rows = {tuple(r.columns.tolist()): r for r in problem.rows}
+    edge, columns = next((e, c) for e, c in zip(problem.tables.edges, problem.edge_columns) if len(e.src_options) > 2)
+    producer_columns = problem.node_columns[edge.producer]
+    for option in range(len(edge.src_options)):
+        pair_cols = [c for c, pair in zip(columns, edge.pairs) if pair[0] == option]
+        node_cols = [c for c, o in zip(producer_columns, edge.src_of_strategy) if o == option]
+        row = rows[tuple(pair_cols + node_cols)]
+        assert row.values.tolist() == [1.0] * len(pair_cols) + [-1.0] * len(node_cols)
+        assert row.lower == row.upper == 0.0
