@@ -10,7 +10,7 @@ breaks one file, not twenty.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -34,6 +34,7 @@ __all__ = [
     "describe_input",
     "describe_output",
     "dtensor_strategy_function",
+    "single_dim_rules",
     "nonstrict_trace",
     "register_pytree_constant",
     "lookup_compile_backend",
@@ -110,6 +111,62 @@ def dtensor_strategy_function(op: torch._ops.OpOverload, mesh: Any, output_meta:
 
         return expand
     return propagator.op_strategy_funcs.get(op)
+
+
+class SingleDimRules(NamedTuple):
+    """DTensor's single-mesh-dim rules for one op, placeholders filled (see single_dim_rules)."""
+
+    rules: list[list[Any]]  # each: [*output placements, *input placements], None = no tensor
+    num_outputs: int
+    allow_uneven_sharding: bool
+    shardable: Callable[[int, tuple], bool]  # (tensor input index, placements) -> DTensor's check
+    input_placements: list[tuple]  # the placements the schema gave each tensor input
+
+
+def single_dim_rules(op: torch._ops.OpOverload, mesh: Any, schema: OpSchema, output_meta: Any) -> SingleDimRules | None:
+    """DTensor's single-mesh-dim rules for ``op`` on ``schema``, to expand to the mesh ourselves.
+
+    Why private: DTensor's own expander (``_expand_single_dim_strategy_to_mesh``) prices every
+    full-mesh strategy with its redistribute_cost, which we drop; on 3-D meshes that pricing is
+    most of the strategies stage. ``_PreparedSingleDimStrategy`` gives the same rules that
+    expander multiplies out (Replicate rule inserted, ShardingPlaceholders filled from the
+    inputs' placements), and ``is_tensor_shardable`` is the input filter it applies.
+    Returns None wherever the expander does more than a plain product and filter (foreach and
+    list inputs, in-place and out= ops, inputs on other meshes) or the private API is gone:
+    callers then keep using DTensor's expander.
+    """
+    try:
+        from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
+        from torch.distributed.tensor._ops.utils import is_tensor_shardable
+    except ImportError:
+        return None
+    info = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs.get(op)
+    if info is None or getattr(info, "different_mesh_args", None) is not None:
+        return None
+    if any(isinstance(a, TupleStrategy) for a in (*schema.args_schema, *schema.kwargs_schema.values())):
+        return None
+    base_name = op.name().split("::")[-1].split(".")[0]
+    if base_name.endswith("_") or schema.is_out_variant_op():
+        return None
+    prepared = _PreparedSingleDimStrategy(info, schema, output_meta)
+    if prepared.element_mesh is not None and prepared.element_mesh != mesh:
+        return None
+    inputs = schema.args_strategy + schema.kwargs_strategy
+    if len(inputs) != prepared.num_inputs:
+        return None
+    allow_unbacked = prepared.allow_unbacked_sharding
+
+    def shardable(index: int, placements: tuple) -> bool:
+        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=inputs[index].strategies[0].output_spec.tensor_meta)
+        return is_tensor_shardable(inputs[index].shape, spec, allow_unbacked_sharding=allow_unbacked)
+
+    return SingleDimRules(
+        [list(rule) for rule in prepared.expanded_strategies],
+        prepared.num_outputs,
+        bool(prepared.allow_uneven_sharding),
+        shardable,
+        [tuple(inp.strategies[0].output_spec.placements) for inp in inputs],
+    )
 
 
 def schema_info(op: torch._ops.OpOverload) -> Any:

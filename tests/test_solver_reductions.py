@@ -11,6 +11,7 @@ from conftest import meta
 from planning import batch_sharded
 
 from autoparallel import AutoParallel
+from autoparallel import _torch_internals as internals
 from autoparallel.cost import redistribution_cost_us, transition_cost_us
 from autoparallel.models import Llama, llama_config
 from autoparallel.shapes import TensorInfo
@@ -109,3 +110,44 @@ def test_vectorized_build_prices_every_column_as_the_loop_did(fake_mesh):
         row = rows[tuple(pair_cols + node_cols)]
         assert row.values.tolist() == [1.0] * len(pair_cols) + [-1.0] * len(node_cols)
         assert row.lower == row.upper == 0.0
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (2, 4)])
+def test_single_dim_ops_expand_as_dtensor_does(fake_mesh, monkeypatch, shape):
+    """Ops DTensor describes by single-mesh-dim rules are multiplied out over the mesh by
+    us (no redistribution pricing); every node must get the very strategies DTensor's own
+    expander gives."""
+    from autoparallel.strategies import dtensor_adapter
+    from autoparallel.strategies.space import build_strategy_space
+    from autoparallel.trace import trace_joint
+
+    mesh = fake_mesh(shape)
+    model = meta(lambda: Llama(CONFIG))
+    joint = trace_joint(model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), torch.device("cpu"))
+    asked_dtensor = []
+    real_call = dtensor_adapter._call
+
+    def spy(strategy_fn, node, *args):
+        asked_dtensor.append(node)
+        return real_call(strategy_fn, node, *args)
+
+    monkeypatch.setattr(dtensor_adapter, "_call", spy)
+    ours = build_strategy_space(joint, mesh)
+    monkeypatch.setattr(dtensor_adapter, "_call", real_call)
+    # no single-dim op of this model needed DTensor's expander (the fallback)
+    assert not [n.name for n in asked_dtensor if internals.has_single_dim_strategy(n.target)]
+    monkeypatch.setattr(dtensor_adapter, "_USE_DTENSOR_EXPANDER", True)
+    theirs = build_strategy_space(joint, mesh)
+    assert list(ours.nodes) == list(theirs.nodes)
+    single_dim = 0
+    for node, strategies in ours.nodes.items():
+        # repr, not ==: a _MaskPartial equals only placements sharing its mask buffer, and
+        # each strategy query makes a new one
+        mine = [repr((s.output, s.inputs)) for s in strategies.strategies]
+        reference = [repr((s.output, s.inputs)) for s in theirs.nodes[node].strategies]
+        assert set(mine) == set(reference), node.name
+        assert mine == reference, node.name  # same order too: the plan cannot change
+        if isinstance(node.target, torch._ops.OpOverload) and internals.has_single_dim_strategy(node.target):
+            single_dim += 1
+    assert single_dim > 10
+    assert ours.fallbacks == theirs.fallbacks

@@ -55,15 +55,88 @@ def dtensor_strategies(
     if strategy_fn is None:
         raise NoDTensorStrategy(f"DTensor has no sharding strategy registered for {op}")
 
+    num_inputs = len(_tensor_input_nodes(node))
     single_dim = internals.has_single_dim_strategy(op)
     if single_dim:
         candidates = {n: [_representative(n, mesh.ndim)] for n in _tensor_input_nodes(node)}
+        expanded = None if _USE_DTENSOR_EXPANDER else _expand_single_dim(node, mesh, candidates, output_meta, num_inputs)
+        if expanded is not None:
+            return [s for s in expanded if _only_sum_partials(s)]
         op_strategy = _call(strategy_fn, node, mesh, candidates)
     else:
         op_strategy = _call_per_option(strategy_fn, node, mesh, producer_options)
-    num_inputs = len(_tensor_input_nodes(node))
     converted = (_convert(spec, num_inputs) for spec in op_strategy)
     return [s for s in converted if s is not None and _only_sum_partials(s)]
+
+
+# Internal switch (tests): expand single-mesh-dim rules with DTensor's own expander, which
+# also prices every strategy (slow on 3-D meshes), instead of our plain product below.
+_USE_DTENSOR_EXPANDER = False
+
+
+def _expand_single_dim(
+    node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list], output_meta: Any, num_inputs: int
+) -> list[Strategy] | None:
+    """DTensor's single-mesh-dim rules for ``node``, multiplied out over the mesh by us.
+
+    Yields exactly the placements of DTensor's expander (same rules, same order, same
+    filters: mixed-partial specs, unshardable inputs) without its redistribution pricing.
+    None whenever that equivalence is not certain; the caller then asks DTensor's expander.
+    """
+    try:
+        schema = _schema(node, mesh, candidates)
+        found = internals.single_dim_rules(node.target, mesh, schema, output_meta)
+    except Exception as error:  # anything unusual: let DTensor's own expander answer
+        logger.debug("single-dim rules of %s unavailable (%s): using DTensor's expander", node.target, error)
+        return None
+    if found is None or not found.rules:
+        return None
+    rules, num_outputs = found.rules, found.num_outputs
+    width = len(rules[0])
+    if any(len(rule) != width for rule in rules) or num_outputs < 0 or num_outputs > width:
+        return None
+    if num_outputs == 1 and any(rule[0] is None for rule in rules):
+        return None  # DTensor's expander raises for this: keep its answer
+    representatives = found.input_placements
+    shardable_cache: dict[tuple[int, tuple], bool] = {}
+
+    def shardable(index: int, placements: tuple) -> bool:
+        key = (index, placements)
+        known = shardable_cache.get(key)
+        if known is None:
+            known = shardable_cache[key] = found.shardable(index, placements) or (
+                found.allow_uneven_sharding and placements == representatives[index]
+            )
+        return known
+
+    strategies: list[Strategy] = []
+    for combo in itertools.product(rules, repeat=mesh.ndim):
+        columns = [None if combo[0][pos] is None else tuple(rule[pos] for rule in combo) for pos in range(width)]
+        if any(col is not None and _mixed_partials(col) for col in columns):
+            continue
+        inputs = [col for col in columns[num_outputs:] if col is not None]
+        if len(inputs) != len(representatives):
+            return None  # DTensor's expander asserts here: keep its answer
+        if not all(shardable(i, col) for i, col in enumerate(inputs)):
+            continue
+        if len(inputs) != num_inputs:
+            continue  # as _convert drops it
+        if num_outputs == 0:
+            output: OutputPlacements | None = None
+        elif num_outputs == 1:
+            output = columns[0]
+        else:
+            output = tuple(columns[:num_outputs])
+        strategies.append(Strategy(output=output, inputs=tuple(inputs)))
+    return strategies
+
+
+def _mixed_partials(placements: tuple) -> bool:
+    """DTensor's expander skips specs mixing partial kinds (sum with avg of one type excepted)."""
+    kinds = {(type(p), p.reduce_op) for p in placements if isinstance(p, Partial)}
+    if len(kinds) <= 1:
+        return False
+    return not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"})
 
 
 def _only_sum_partials(strategy: Strategy) -> bool:
@@ -78,8 +151,8 @@ def _only_sum_partials(strategy: Strategy) -> bool:
 MAX_OPTION_COMBINATIONS = 256
 
 
-def _call(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]) -> list:
-    """Run a DTensor strategy function with ``candidates[n]`` as the options of input ``n``."""
+def _schema(node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]) -> Any:
+    """An OpSchema of ``node`` with ``candidates[n]`` as the options of input ``n``."""
     op = node.target
 
     def to_strategy(arg: Any) -> Any:
@@ -99,7 +172,13 @@ def _call(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, candidates: dict[fx
 
     args = tuple(wrap_lists(tree_map(to_strategy, a)) for a in node.args)
     kwargs = {k: wrap_lists(tree_map(to_strategy, v)) for k, v in node.kwargs.items()}
-    schema = internals.OpSchema(op, args, kwargs, schema_info=internals.schema_info(op))
+    return internals.OpSchema(op, args, kwargs, schema_info=internals.schema_info(op))
+
+
+def _call(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]) -> list:
+    """Run a DTensor strategy function with ``candidates[n]`` as the options of input ``n``."""
+    op = node.target
+    schema = _schema(node, mesh, candidates)
     try:
         op_strategy = strategy_fn(schema)
     except Exception as error:  # DTensor rejects some schemas it was never written for.
