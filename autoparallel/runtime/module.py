@@ -119,6 +119,9 @@ class _Runtime:
         self.executor = executor
         self.input_shapes = [tuple(n.meta["val"].shape) for n in joint.user_inputs]
         self.input_dtypes = [n.meta["val"].dtype for n in joint.user_inputs]
+        self.local_input_shapes = [
+            local_shape(shape, placements, mesh.shape) for shape, placements in zip(self.input_shapes, plan.input_placements)
+        ]
         order = {node: i for i, node in enumerate(joint.graph.nodes)}
         self.saved_nodes = sorted(executor.saved_for_backward, key=order.__getitem__)
         self.saved_slots: list[SavedSlot] = []
@@ -148,12 +151,9 @@ class _Runtime:
                 "run time, which torch.compile cannot follow): plan without dynamic=True to compile it"
             )
         if self.variants is not None and any(
-            tuple(leaf.shape) != local_shape(shape, placements, self.mesh.shape)
-            for leaf, shape, placements in zip(leaves, self.input_shapes, self.plan.input_placements)
+            tuple(leaf.shape) != expected for leaf, expected in zip(leaves, self.local_input_shapes)
         ):
-            runtime = self.variants.runtime_for(leaves)
-            runtime.check_inputs(leaves)
-            return runtime
+            return self.variants.runtime_for(leaves)  # traced for exactly these local shapes
         self.check_inputs(leaves)
         return self
 
@@ -172,8 +172,9 @@ class _Runtime:
                 raise InputMismatchError(f"input {index}: expected {len(shape)} dimensions, got shape {tuple(leaf.shape)}")
 
     def check_inputs(self, leaves: list[Any]) -> None:
-        for index, (leaf, shape, placements) in enumerate(zip(leaves, self.input_shapes, self.plan.input_placements)):
-            expected = local_shape(shape, placements, self.mesh.shape)
+        for index, (leaf, shape, placements, expected) in enumerate(
+            zip(leaves, self.input_shapes, self.plan.input_placements, self.local_input_shapes)
+        ):
             if tuple(leaf.shape) != expected:
                 raise InputMismatchError(
                     f"input {index}: expected local shape {expected} on this rank, got {tuple(leaf.shape)}; "
