@@ -22,6 +22,16 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
 
+try:  # mirrored without their pricing by strategies/view_rules.py (see view_rule_of)
+    from torch.distributed.tensor._ops import _math_ops as _dtensor_math_ops
+    from torch.distributed.tensor._ops import _tensor_ops as _dtensor_tensor_ops
+    from torch.distributed.tensor._ops import _view_ops as _dtensor_view_ops
+    from torch.distributed.tensor._ops.utils import is_tensor_dim_sharded as _is_tensor_dim_sharded
+    from torch.distributed.tensor._ops.utils import normalize_dim as _normalize_dim
+    from torch.distributed.tensor.placement_types import _is_shard_like
+except ImportError:  # torch moved them: every op keeps DTensor's own (priced) strategy
+    _dtensor_math_ops = _dtensor_tensor_ops = _dtensor_view_ops = None
+
 __all__ = [
     "DTensorSpec",
     "OpSchema",
@@ -35,6 +45,9 @@ __all__ = [
     "describe_output",
     "dtensor_strategy_function",
     "single_dim_rules",
+    "view_rule_of",
+    "propagate_view_sharding",
+    "is_dtensor_strategy",
     "nonstrict_trace",
     "register_pytree_constant",
     "lookup_compile_backend",
@@ -167,6 +180,85 @@ def single_dim_rules(op: torch._ops.OpOverload, mesh: Any, schema: OpSchema, out
         shardable,
         [tuple(inp.strategies[0].output_spec.placements) for inp in inputs],
     )
+
+
+class ViewRule(NamedTuple):
+    """What DTensor's strategy for one view-like op is made of (see view_rule_of)."""
+
+    dim_map: Callable[..., Any]  # called like the op on its OpSchema args -> DimMap
+    strict_view: bool  # True: DTensor refuses inputs the view would have to redistribute
+
+
+def view_rule_of(strategy_fn: Any) -> ViewRule | None:
+    """The dim map and strictness DTensor's view strategy ``strategy_fn`` was registered with.
+
+    Why private: DTensor registers every view-like op (view, reshape, expand, permute, ...)
+    through ``register_op_strategy_map``, whose strategy prices each candidate against every
+    input option with ``generate_redistribute_costs``; that pricing, which we drop, was most
+    of the strategies stage on 3-D meshes. The op's dim map and ``strict_view`` flag exist only
+    as that closure's variables, so we read them there: exactly what DTensor uses for this op.
+    None when ``strategy_fn`` is not such a closure (torch changed, or another registration).
+    """
+    code = getattr(strategy_fn, "__code__", None)
+    if (
+        code is None
+        or _dtensor_view_ops is None
+        or getattr(strategy_fn, "__module__", None) != _dtensor_view_ops.__name__
+        or getattr(strategy_fn, "__qualname__", None) != "register_op_strategy_map.<locals>.reshape_strategy"
+        or strategy_fn.__closure__ is None
+    ):
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in strategy_fn.__closure__)))
+    dim_map, strict_view = cells.get("dim_map"), cells.get("strict_view")
+    if not callable(dim_map) or not isinstance(strict_view, bool):
+        return None
+    return ViewRule(dim_map, strict_view)
+
+
+def propagate_view_sharding(
+    input_placements: tuple, global_shape: tuple[int, ...], dim_map: Any, mesh_shape: tuple[int, ...], strict_view: bool
+) -> tuple[tuple, tuple]:
+    """(input target placements, output placements) of a view: DTensor's own propagation.
+
+    Why private: ``propagate_shape_and_sharding`` is the heart of DTensor's view strategy
+    (which placements survive a split or flatten, where _StridedShard appears); we call it
+    rather than re-derive it, and only skip the pricing around it (see view_rule_of).
+    """
+    tgt, out = _dtensor_view_ops.propagate_shape_and_sharding(input_placements, global_shape, dim_map, mesh_shape, strict_view)
+    return tuple(tgt), tuple(out)
+
+
+def is_dtensor_strategy(strategy_fn: Any, name: str) -> bool:
+    """Whether ``strategy_fn`` is DTensor's strategy function ``name`` (``_ops._tensor_ops``
+    or ``_ops._math_ops``).
+
+    Why private: we re-enumerate a few of those functions without their pricing (see
+    strategies/view_rules.py) and must only do so for the very function we mirror.
+    """
+    if strategy_fn is None:
+        return False
+    modules = (_dtensor_tensor_ops, _dtensor_math_ops)
+    return any(m is not None and getattr(m, name, None) is strategy_fn for m in modules)
+
+
+def is_shard_like(placement: Any) -> bool:
+    """DTensor's test for Shard or _StridedShard, as its slice_backward and cat rules use it."""
+    return _is_shard_like(placement)
+
+
+def unshard_tensor_dim(placements: tuple, dim: int) -> tuple:
+    """DTensor's cat rule helper: ``placements`` with shards of tensor dim ``dim`` replicated."""
+    return _dtensor_tensor_ops.unshard_tensor_dim(placements, dim)
+
+
+def is_tensor_dim_sharded(spec: DTensorSpec, dim: int) -> bool:
+    """DTensor's cat rule helper: whether ``spec`` shards tensor dim ``dim``."""
+    return _is_tensor_dim_sharded(spec, dim)
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    """DTensor's dim normalization (negative dims count from the end), as its cat rule does."""
+    return _normalize_dim(dim, ndim)
 
 
 def schema_info(op: torch._ops.OpOverload) -> Any:

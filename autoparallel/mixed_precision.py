@@ -168,11 +168,11 @@ def reduction_dtype_constraints(problem: Problem, policy: MixedPrecisionPolicy) 
     """
     if policy.reduce_dtype is None or policy.param_dtype is None or policy.reduce_dtype == policy.param_dtype:
         return []
-    columns_of = {id(edge): columns for edge, columns in zip(problem.tables.edges, problem.edge_columns)}
+    index_of = {id(edge): index for index, edge in enumerate(problem.tables.edges)}
     constraints = []
     for name, grad_node in problem.joint.param_grads.items():
         forbidden = [
-            _reducing_pair_columns(edge, columns_of[id(edge)])
+            _reducing_columns(problem, index_of[id(edge)])
             for consumer in gradient_chain_edges(grad_node, policy.reduce_dtype)
             for edge in problem.tables.incoming.get(consumer, [])
             if edge.kind == "arg"
@@ -185,13 +185,12 @@ def reduction_dtype_constraints(problem: Problem, policy: MixedPrecisionPolicy) 
     return constraints
 
 
-def _reducing_pair_columns(edge: Any, columns: np.ndarray) -> np.ndarray:
-    """Pair variables of ``edge`` whose redistribution sums a Partial placement."""
+def _reducing_columns(problem: Problem, edge_index: int) -> np.ndarray:
+    """Columns of an edge (placement pairs or route steps) that sum a Partial placement."""
     reducing = [
-        column
-        for column, (src, dst, _, _) in zip(columns, edge.pairs)
-        if any(_partial_at(edge.src_options[src], d) and not _partial_at(edge.dst_options[dst], d)
-               for d in range(len(edge.src_options[src] or ())))
+        move.column
+        for move in problem.edge_moves(edge_index)
+        if any(_partial_at(move.src, d) and not _partial_at(move.dst, d) for d in range(len(move.src or ())))
     ]
     return np.array(reducing, dtype=np.int64)
 

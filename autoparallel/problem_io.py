@@ -21,7 +21,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autoparallel.cost.tables import CostTables, EdgeCost
+from autoparallel.cost.redistribution import PairPricer
+from autoparallel.cost.tables import CostTables, EdgeCost, EdgeRoutes
+from autoparallel.shapes import TensorInfo
 from autoparallel.persistence import PlacementFileError, parse_placements
 from autoparallel.solver.folding import Folding
 from autoparallel.solver.highs import Solution, SolverStats
@@ -43,7 +45,10 @@ def save_problem(
     registry = _Registry()
     joint, space, tables = problem.joint, problem.space, problem.tables
     nodes = [_node_record(node, ns, joint, tables, problem, registry) for node, ns in space.nodes.items()]
-    edges = [_edge_record(edge, columns, registry) for edge, columns in zip(tables.edges, problem.edge_columns)]
+    edges = [
+        _edge_record(edge, columns, problem.edge_encoding(index), registry)
+        for index, (edge, columns) in enumerate(zip(tables.edges, problem.edge_columns))
+    ]
     topology = tables.topology
     meta = {
         "format": FORMAT,
@@ -129,7 +134,7 @@ def _node_record(node: fx.Node, ns: NodeStrategies, joint: JointGraph, tables: C
     }
 
 
-def _edge_record(edge: EdgeCost, columns: np.ndarray, registry: _Registry) -> dict:
+def _edge_record(edge: EdgeCost, columns: np.ndarray, encoding: str, registry: _Registry) -> dict:
     return {
         "producer": edge.producer.name,
         "consumer": edge.consumer.name,
@@ -141,6 +146,8 @@ def _edge_record(edge: EdgeCost, columns: np.ndarray, registry: _Registry) -> di
         "dst_of_strategy": list(edge.dst_of_strategy),
         "pairs": registry.ref("pair_tables", edge.pairs, lambda pairs: [list(p) for p in pairs]),
         "columns": [int(columns[0]), len(columns)] if len(columns) else [0, 0],
+        "encoding": encoding,
+        "routes": edge.routes is not None,
     }
 
 
@@ -213,8 +220,11 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
         start, count = record["columns"]
         node_columns[node] = np.arange(start, start + count, dtype=np.int64)
 
+    hardware = Hardware(**meta["hardware"])
+    topology = Topology(tuple(meta["mesh_shape"]), hardware, meta["gpus_per_node"])
+    pricers: dict[TensorInfo, PairPricer] = {}
     pair_tables = [[tuple(p) for p in table] for table in meta["pair_tables"]]
-    edges, edge_columns = [], []
+    edges, edge_columns, edge_encodings = [], [], []
     for record in meta["edges"]:
         edges.append(
             EdgeCost(
@@ -229,11 +239,11 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
                 pairs=pair_tables[record["pairs"]],
             )
         )
+        if record.get("routes"):
+            edges[-1].routes = _edge_routes(edges[-1], topology, pricers)
         start, count = record["columns"]
         edge_columns.append(np.arange(start, start + count, dtype=np.int64))
-
-    hardware = Hardware(**meta["hardware"])
-    topology = Topology(tuple(meta["mesh_shape"]), hardware, meta["gpus_per_node"])
+        edge_encodings.append(record.get("encoding", "pairs"))
     tables = CostTables(compute_us=compute, edges=edges, topology=topology)
     joint = _joint(meta["roles"], by_name, graph, forward)
     folding = Folding({by_name[n]: by_name[r] for n, r in meta["folding"].items()}) if meta["folding"] else None
@@ -247,6 +257,7 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
         integrality=np.asarray(archive["integrality"], dtype=bool),
         rows=_unpack_rows(archive),
         folding=folding,
+        edge_encodings=edge_encodings,
     )
     for record in meta["user_constraints"]:
         rows = [Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi) for c, v, lo, hi in record["rows"]]
@@ -281,6 +292,20 @@ def _meta_value(record: Any) -> Any:
     if isinstance(record, list):
         return tuple(_meta_value(r) for r in record)
     return torch.empty(record["shape"], dtype=getattr(torch, record["dtype"]), device="meta")
+
+
+def _edge_routes(edge: EdgeCost, topology: Topology, pricers: dict) -> EdgeRoutes | None:
+    """Route tables are not stored: they are a function of the tensor and the topology."""
+    value = edge.producer.meta["val"]
+    info = TensorInfo(tuple(value.shape), value.dtype)
+    pricer = pricers.get(info)
+    if pricer is None:
+        pricer = pricers[info] = PairPricer(info, topology)
+    src_states = [pricer.state_of(p) for p in edge.src_options]
+    dst_states = [pricer.state_of(p) for p in edge.dst_options]
+    if None in src_states or None in dst_states:
+        raise PlacementFileError(f"edge {edge.name} was priced on routes, but its placements are not route states")
+    return EdgeRoutes(pricer, src_states, dst_states)  # type: ignore[arg-type]
 
 
 def _stand_in_node(graph: fx.Graph, record: dict, inputs: list[fx.Node]) -> fx.Node:

@@ -187,18 +187,27 @@ def _placement_kind(src: Placement, dst: Placement) -> str:
     return "all_to_all" if isinstance(src, Shard) or "Shard" in type(src).__name__ else "unknown"
 
 
-def collective_kind(src: OutputPlacements, dst: OutputPlacements) -> tuple[str, list[int]]:
+def collective_kind(
+    src: OutputPlacements, dst: OutputPlacements, route: tuple[OutputPlacements, ...] = ()
+) -> tuple[str, list[int]]:
     """(kind, changed mesh dims) of a redistribution, e.g. ``("all_gather+local", [0, 1])``.
 
     Per changed mesh dim: S->R ``all_gather``, P->R ``all_reduce``, P->S ``reduce_scatter``,
     S(a)->S(b) ``all_to_all``, R->S and R->P ``local`` (no communication); several changed
     dims list one kind per dim, in mesh-dim order, joined by ``+``. Multi-output values are
-    never redistributed as a whole: ``("none", [])``.
+    never redistributed as a whole: ``("none", [])``. With a ``route`` (the placements
+    visited in between), one kind per step, in execution order.
     """
     if is_multi(src) or is_multi(dst):
         return "none", []
-    dims = [d for d, (s, t) in enumerate(zip(src, dst)) if s != t]
-    return "+".join(_placement_kind(src[d], dst[d]) for d in dims) or "none", dims
+    states = [src, *route, dst]
+    kinds, dims = [], []
+    for before, after in zip(states, states[1:]):
+        for d, (s, t) in enumerate(zip(before, after)):
+            if s != t:
+                kinds.append(_placement_kind(s, t))
+                dims.append(d)
+    return "+".join(kinds) or "none", dims
 
 
 def _collective_phase(consumer: NodePlan, arg: ArgumentCost) -> str:
@@ -221,7 +230,7 @@ def _collectives(plan: Plan, modules: dict[str, str]) -> list[dict[str, Any]]:
     rows = []
     for consumer_name, arg in plan.redistributions():
         consumer = plan.nodes[consumer_name]
-        kind, dims = collective_kind(arg.src, arg.dst)
+        kind, dims = collective_kind(arg.src, arg.dst, arg.route)
         rows.append(
             {
                 "consumer": consumer_name,
@@ -230,6 +239,7 @@ def _collectives(plan: Plan, modules: dict[str, str]) -> list[dict[str, Any]]:
                 "mesh_dims": dims,
                 "src": placement_str(arg.src),
                 "dst": placement_str(arg.dst),
+                "route": [placement_str(p) for p in arg.route],
                 "comm_us": _num(arg.comm_us),
                 "phase": _collective_phase(consumer, arg),
                 "module": _collective_module(consumer, arg, modules),

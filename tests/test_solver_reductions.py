@@ -12,7 +12,7 @@ from planning import batch_sharded
 
 from autoparallel import AutoParallel
 from autoparallel import _torch_internals as internals
-from autoparallel.cost import redistribution_cost_us, transition_cost_us
+from autoparallel.cost import TRANSITION_COST_US, PairPricer
 from autoparallel.models import Llama, llama_config
 from autoparallel.shapes import TensorInfo
 from autoparallel.solver.highs import SolverOptions, _run, solve
@@ -63,21 +63,24 @@ def test_cost_tables_hold_the_reference_prices(fake_mesh):
     problem = autop.sharding_optimizer.problem
     topology = problem.tables.topology
     checked = 0
+    pricers: dict = {}
     for edge in problem.tables.edges:
         value = edge.producer.meta["val"]
         if not isinstance(value, torch.Tensor):
             continue
         tensor = TensorInfo(tuple(value.shape), value.dtype)
+        pricer = pricers.setdefault(tensor, PairPricer(tensor, topology))
         priced = {(i, j): (c, t) for i, j, c, t in edge.pairs}
         for i, src in enumerate(edge.src_options):
             for j, dst in enumerate(edge.dst_options):
-                expected = 0.0 if src == dst else redistribution_cost_us(tensor, src, dst, topology)
-                if math.isinf(expected):
+                expected = (0.0, 0.0) if src == dst else pricer.price(src, dst)
+                if math.isinf(expected[0]):
                     assert (i, j) not in priced
                     continue
-                comm, transition = priced[(i, j)]
-                assert comm == expected
-                assert transition == (0.0 if src == dst else transition_cost_us(src, dst))
+                assert priced[(i, j)] == expected
+                if src != dst and pricer.state_of(src) is not None and pricer.state_of(dst) is not None:
+                    route = pricer.route(src, dst)
+                    assert expected[1] == pytest.approx(TRANSITION_COST_US * (len(route) - 1))
                 checked += 1
     assert checked > 10_000
 
@@ -97,12 +100,20 @@ def test_vectorized_build_prices_every_column_as_the_loop_did(fake_mesh):
     for node, columns in problem.node_columns.items():
         for column, cost in zip(columns, problem.tables.compute_us[node]):
             expected[column] += cost
-    for edge, columns in zip(problem.tables.edges, problem.edge_columns):
+    for index, (edge, columns) in enumerate(zip(problem.tables.edges, problem.edge_columns)):
+        if problem.edge_encoding(index) == "routes":
+            for column, comm in zip(columns, edge.routes.table.arc_comm):
+                expected[column] += comm + TRANSITION_COST_US
+            continue
         for column, (_, _, comm, transition) in zip(columns, edge.pairs):
             expected[column] += comm + transition
     assert np.array_equal(problem.objective, np.array(expected))
     rows = {tuple(r.columns.tolist()): r for r in problem.rows}
-    edge, columns = next((e, c) for e, c in zip(problem.tables.edges, problem.edge_columns) if len(e.src_options) > 2)
+    edge, columns = next(
+        (e, c)
+        for i, (e, c) in enumerate(zip(problem.tables.edges, problem.edge_columns))
+        if len(e.src_options) > 2 and problem.edge_encoding(i) == "pairs"
+    )
     producer_columns = problem.node_columns[edge.producer]
     for option in range(len(edge.src_options)):
         pair_cols = [c for c, pair in zip(columns, edge.pairs) if pair[0] == option]

@@ -2,7 +2,14 @@
 
 from autoparallel.cost.collectives import all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
 from autoparallel.cost.compute import bytes_moved, compute_cost_us, flop_count, is_free_op
-from autoparallel.cost.redistribution import TRANSITION_COST_US, PairPricer, redistribution_cost_us, transition_cost_us
+from autoparallel.cost.redistribution import (
+    TRANSITION_COST_US,
+    PairPricer,
+    direct_redistribution_cost_us,
+    redistribution_cost_us,
+    redistribution_route,
+    transition_cost_us,
+)
 
 __all__ = [
     "PairPricer",
@@ -12,9 +19,11 @@ __all__ = [
     "all_to_all_us",
     "bytes_moved",
     "compute_cost_us",
+    "direct_redistribution_cost_us",
     "flop_count",
     "is_free_op",
     "redistribution_cost_us",
+    "redistribution_route",
     "reduce_scatter_us",
     "transition_cost_us",
 ]

@@ -1,6 +1,6 @@
 """Price of moving a DTensor from one placement tuple to another.
 
-A redistribution is decomposed into one collective per mesh dim whose placement changes:
+One *step* changes the placement on one mesh dim and is one collective:
 
 =============  ==================  =================================
 src -> dst     collective          buffer it is priced on
@@ -14,14 +14,19 @@ S -> R         all-gather          local buffer after the step
 * -> P         impossible          ``math.inf`` (S -> P, P(op1) -> P(op2))
 =============  ==================  =================================
 
-Steps are ordered to keep buffers small: steps that shrink the local tensor (free slices
-first, then reduce-scatters) run first, then all-to-alls, then all-reduces (size-neutral),
-then all-gathers last. The local size is recomputed with :func:`local_shape` after every
-step, so an N-D cost is the sum of per-dim costs on the tensor as it actually is then.
+A redistribution is priced as the cheapest *route* of steps (:mod:`autoparallel.cost.routes`),
+which may pass through placements that are neither the source nor the target: e.g. a Partial
+over a slow mesh dim is cheaper to all-reduce after slicing it over a fast dim, and gather
+it there afterwards. The runtime executes the same route (``redistribution_route``). Every
+step also costs the tie-breaker ``TRANSITION_COST_US``, so equal routes prefer fewer steps.
 
-:class:`PairPricer` is the same model for pricing whole edge tables (all pairs of two option
-lists of one tensor): integer codes instead of placement objects, memoized local sizes and
-pair prices; a test checks it against :func:`redistribution_cost_us` on every pair.
+Placements outside the route states (strided shards, a Partial other than sum, tensors
+whose state space is too large) are priced by the *direct* model instead: one step per
+changed mesh dim in a fixed order that keeps buffers small (free slices, reduce-scatters,
+all-to-alls, all-reduces, then all-gathers; ``direct_redistribution_cost_us``).
+
+:class:`PairPricer` prices whole edge tables (all pairs of two option lists of one tensor)
+on integer codes with memoized local sizes and one route table per tensor.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from autoparallel.cost.collectives import all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
+from autoparallel.cost.routes import MAX_ROUTE_STATES, RouteTable
 from autoparallel.shapes import TensorInfo, local_info
+from autoparallel.strategies.types import is_multi
 from autoparallel.topology import Topology
 
 try:  # Strided shards (FSDP+TP) are shard-like but are not Shard subclasses in torch 2.13.
@@ -40,7 +48,14 @@ try:  # Strided shards (FSDP+TP) are shard-like but are not Shard subclasses in 
 except ImportError:  # pragma: no cover - depends on the torch version
     _StridedShard = Shard  # type: ignore[misc,assignment]
 
-__all__ = ["TRANSITION_COST_US", "PairPricer", "redistribution_cost_us", "transition_cost_us"]
+__all__ = [
+    "TRANSITION_COST_US",
+    "PairPricer",
+    "direct_redistribution_cost_us",
+    "redistribution_cost_us",
+    "redistribution_route",
+    "transition_cost_us",
+]
 
 # Tie-breaker charged per changed mesh dim; real collectives cost >= ~1 us.
 TRANSITION_COST_US = 0.01
@@ -112,11 +127,34 @@ def redistribution_cost_us(
     dst: tuple[Placement, ...],
     topology: Topology,
 ) -> float:
-    """Time (us) to redistribute the GLOBAL ``tensor`` from ``src`` to ``dst`` placements.
+    """Time (us) of the cheapest route from ``src`` to ``dst`` for the GLOBAL ``tensor``.
 
-    Identity costs exactly 0.0; a transition into Partial from anything but Replicate
-    returns ``math.inf`` so the solver can never pick it.
+    Identity costs exactly 0.0; ``math.inf`` when no route exists (a Partial can only be
+    reached from Replicate). Builds a route table per call: for many pairs of one tensor use
+    :class:`PairPricer`.
     """
+    return PairPricer(tensor, topology).price(tuple(src), tuple(dst))[0]
+
+
+def redistribution_route(
+    tensor: TensorInfo,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    topology: Topology,
+) -> list[tuple[Placement, ...]]:
+    """The placements the cheapest route visits, ``src`` and ``dst`` included (see
+    :meth:`PairPricer.route`)."""
+    return PairPricer(tensor, topology).route(tuple(src), tuple(dst))
+
+
+def direct_redistribution_cost_us(
+    tensor: TensorInfo,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    topology: Topology,
+) -> float:
+    """Time (us) of the direct model: one step per changed mesh dim, in the module's fixed
+    order. Identity costs exactly 0.0; ``math.inf`` when a step is impossible."""
     _validate(src, dst, topology)
     ndim = len(tensor.shape)
     current = [_normalize(p, ndim) for p in src]
@@ -140,7 +178,8 @@ def redistribution_cost_us(
 
 
 def transition_cost_us(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> float:
-    """Tie-breaker: ``TRANSITION_COST_US`` per mesh dim whose placement differs (0 if identical).
+    """Tie-breaker of the direct model: ``TRANSITION_COST_US`` per mesh dim whose placement
+    differs (0 if identical); a route's tie-breaker is ``TRANSITION_COST_US`` per step.
 
     Orders of magnitude below any real collective, so it only decides between plans that
     are otherwise equally priced, in favour of the one with fewer placement changes. Shard
@@ -154,16 +193,15 @@ class PairPricer:
     """Prices many (src, dst) pairs of one tensor on one topology, fast.
 
     Why: an edge table on a 3-D mesh has tens of thousands of pairs and the pricing stage
-    calls the redistribution model hundreds of thousands of times. This class computes
-    exactly what :func:`redistribution_cost_us` and :func:`transition_cost_us` compute (same
-    steps, same order, same local sizes, same collective formulas), but on small integer
-    codes of the placements, with the local size of every intermediate placement tuple
-    memoized. Placements it does not know (strided shards, custom ones) are handed to the
-    reference functions, so the contract is: ``price(src, dst)`` equals
-    ``(redistribution_cost_us(t, src, dst, topo), transition_cost_us(src, dst))``.
+    asks hundreds of thousands of prices. Placements are turned into small integer codes
+    (int >= 0: Shard(dim), -1: Replicate, ("P", op): Partial); the tensor's route table is
+    built once, on first use. Contract: ``price(src, dst)`` is (comm us of the cheapest route,
+    ``TRANSITION_COST_US`` per step of it) when both are route states, else the direct
+    model's ``(direct_redistribution_cost_us, transition_cost_us)``.
     """
 
     _REPLICATE = -1
+    _PARTIAL_SUM = ("P", "sum")
 
     def __init__(self, tensor: TensorInfo, topology: Topology):
         self.tensor = tensor
@@ -174,11 +212,61 @@ class PairPricer:
         self._nbytes: dict[tuple, float] = {}
         self._codes: dict[tuple, tuple | None] = {}
         self._prices: dict[tuple, tuple[float, float]] = {}
+        self._routes: RouteTable | None | bool = False  # False: not built yet
         # per mesh dim: (size, latency us, bytes per us) exactly as collectives._ring_us reads them
         self._links = [
             (n, topology.latency_us(d) if n > 1 else 0.0, topology.bandwidth(d) if n > 1 else 1.0)
             for d, n in enumerate(self.mesh_shape)
         ]
+
+    # ------------------------------------------------------------------ routes
+
+    @property
+    def routes(self) -> RouteTable | None:
+        """The tensor's route table, or None when its state space is too large."""
+        if self._routes is False:
+            values = [self._REPLICATE, self._PARTIAL_SUM, *range(self.ndim)]
+            if RouteTable.size_for(len(values), len(self.mesh_shape)) > MAX_ROUTE_STATES:
+                self._routes = None
+            else:
+                self._routes = RouteTable(values, len(self.mesh_shape), self._arc_price, TRANSITION_COST_US)
+        return self._routes  # type: ignore[return-value]
+
+    def _arc_price(self, src: tuple, dst: tuple, mesh_dim: int) -> float | None:
+        kind = _code_step(src[mesh_dim], dst[mesh_dim])
+        if kind == "impossible":
+            return None
+        return self._step_us(kind, self._local_nbytes(src), self._local_nbytes(dst), mesh_dim)
+
+    def state_of(self, placements: object) -> int | None:
+        """Index of ``placements`` among the route states; None if it is not one."""
+        if not isinstance(placements, tuple) or len(placements) != len(self.mesh_shape) or is_multi(placements):
+            return None
+        routes = self.routes
+        codes = self._code_of(placements)
+        if routes is None or codes is None:
+            return None
+        return routes.index.get(codes)
+
+    def placements_of_state(self, state: int) -> tuple[Placement, ...]:
+        return tuple(_placement_of_code(code) for code in self.routes.states[state])  # type: ignore[union-attr]
+
+    def route(self, src: tuple, dst: tuple) -> list[tuple[Placement, ...]]:
+        """Placements visited from ``src`` to ``dst`` (both included, as given): each step
+        changes one mesh dim. ``[src, dst]`` for the direct model or a one-step route; ``[]``
+        when ``dst`` cannot be reached."""
+        a, b = self.state_of(src), self.state_of(dst)
+        if a is None or b is None:
+            direct = self.price(src, dst)[0]
+            return [] if direct == math.inf else ([src] if src == dst else [src, dst])
+        if a == b:
+            return [src]
+        states = self.routes.route(a, b)  # type: ignore[union-attr]
+        if not states:
+            return []
+        return [src] + [self.placements_of_state(s) for s in states[1:-1]] + [dst]
+
+    # ------------------------------------------------------------------ prices
 
     def _code_of(self, placements: tuple) -> tuple | None:
         found = self._codes.get(placements, False)
@@ -214,41 +302,50 @@ class PairPricer:
         return found
 
     def price(self, src: tuple, dst: tuple) -> tuple[float, float]:
-        """(comm us, transition us) of ``src -> dst``; comm is ``math.inf`` if impossible."""
+        """(comm us, tie-breaker us) of ``src -> dst``; comm is ``math.inf`` if impossible."""
         if len(src) != len(self.mesh_shape) or len(dst) != len(self.mesh_shape):
             _validate(src, dst, self.topology)
+        a, b = self.state_of(src), self.state_of(dst)
+        if a is not None and b is not None:
+            return self.routes.price(a, b)  # type: ignore[union-attr]
+        return self._direct_price(src, dst)
+
+    def _direct_price(self, src: tuple, dst: tuple) -> tuple[float, float]:
+        if src == dst:
+            return 0.0, 0.0
         a, b = self._code_of(src), self._code_of(dst)
         if a is None or b is None:
-            transition = transition_cost_us(src, dst)
-            if src == dst:
-                return 0.0, transition
-            return redistribution_cost_us(self.tensor, src, dst, self.topology), transition
+            return direct_redistribution_cost_us(self.tensor, src, dst, self.topology), transition_cost_us(src, dst)
         return self._price_codes(a, b, self._raw_code_of(src), self._raw_code_of(dst))
 
     def price_table(self, src_options: list, dst_options: list) -> list[tuple[int, int, float, float]]:
-        """The feasible ``(i, j, comm us, transition us)`` over all pairs of two option lists
+        """The feasible ``(i, j, comm us, tie-breaker us)`` over all pairs of two option lists
         (identical placements always cost ``(0, 0)``; impossible pairs are left out)."""
-        src_codes = [(self._code_of(p), self._raw_code_of(p)) for p in src_options]
-        dst_codes = [(self._code_of(p), self._raw_code_of(p)) for p in dst_options]
+        src_states = [self.state_of(p) for p in src_options]
+        dst_states = [self.state_of(p) for p in dst_options]
+        if None not in src_states and None not in dst_states and src_options and dst_options:
+            return self._route_table(src_states, dst_states)
         pairs = []
-        for i, (src, (a, raw_a)) in enumerate(zip(src_options, src_codes)):
-            for j, (dst, (b, raw_b)) in enumerate(zip(dst_options, dst_codes)):
-                if a is None or b is None:
-                    if src == dst:
-                        pairs.append((i, j, 0.0, 0.0))
-                        continue
-                    comm, transition = self.price(src, dst)
-                else:
-                    if raw_a == raw_b:
-                        pairs.append((i, j, 0.0, 0.0))
-                        continue
-                    comm, transition = self._price_codes(a, b, raw_a, raw_b)
+        for i, src in enumerate(src_options):
+            for j, dst in enumerate(dst_options):
+                comm, transition = self.price(src, dst)
                 if comm != math.inf:
                     pairs.append((i, j, comm, transition))
         return pairs
 
+    def _route_table(self, src_states: list, dst_states: list) -> list[tuple[int, int, float, float]]:
+        routes = self.routes
+        assert routes is not None
+        rows = np.asarray(src_states, dtype=np.int64)[:, None]
+        cols = np.asarray(dst_states, dtype=np.int64)[None, :]
+        same = rows == cols
+        comm = np.where(same, 0.0, routes.comm[rows, cols])
+        transition = np.where(same, 0.0, routes.steps[rows, cols] * routes.step_tie_breaker)
+        i, j = np.nonzero(np.isfinite(comm))
+        return list(zip(i.tolist(), j.tolist(), comm[i, j].tolist(), transition[i, j].tolist()))
+
     def _raw_code_of(self, placements: tuple) -> tuple | None:
-        """Codes without normalising negative shard dims (the transition tie-breaker compares
+        """Codes without normalising negative shard dims (the direct tie-breaker compares
         placements as given)."""
         key = ("raw", placements)
         found = self._codes.get(key, False)
@@ -261,6 +358,7 @@ class PairPricer:
         return codes
 
     def _price_codes(self, a: tuple, b: tuple, raw_a: tuple, raw_b: tuple) -> tuple[float, float]:
+        """The direct model on codes."""
         key = (a, b, raw_a, raw_b)
         found = self._prices.get(key)
         if found is not None:
@@ -303,6 +401,14 @@ class PairPricer:
         steps = passes * (n - 1)
         transfer = passes * (n - 1) / n * max(float(buffer), 0.0) / bandwidth
         return steps * latency + transfer * 1e6
+
+
+def _placement_of_code(code: object) -> Placement:
+    if code == PairPricer._REPLICATE:
+        return Replicate()
+    if type(code) is tuple:
+        return Partial(code[1])
+    return Shard(int(code))  # type: ignore[arg-type]
 
 
 def _itemsize_of(tensor: TensorInfo) -> int:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.redistribution import PairPricer
+from autoparallel.cost.routes import RouteTable
 from autoparallel.shapes import TensorInfo, local_shape
 from autoparallel.strategies.types import NodeStrategies, OutputPlacements, StrategySpace, is_multi
 from autoparallel.topology import Topology
@@ -51,10 +52,26 @@ class EdgeCost:
     dst_options: list[OutputPlacements]
     dst_of_strategy: list[int]
     pairs: list[tuple[int, int, float, float]]
+    routes: "EdgeRoutes | None" = None
 
     @property
     def name(self) -> str:
         return f"{self.producer.name}->{self.consumer.name}[{self.kind}:{self.slot}]"
+
+
+@dataclass
+class EdgeRoutes:
+    """The route states of an edge's options, when all of them are states of the tensor's
+    route table: ``src_states[i]`` is ``src_options[i]``'s state, likewise ``dst_states``.
+    The solver may then price the edge as a flow over the table's single-step arcs."""
+
+    pricer: PairPricer
+    src_states: list[int]
+    dst_states: list[int]
+
+    @property
+    def table(self) -> RouteTable:
+        return self.pricer.routes  # type: ignore[return-value]
 
 
 @dataclass
@@ -86,6 +103,7 @@ class PriceCache:
     option_ids: dict[int, int] = field(default_factory=dict)
     option_lists: dict[tuple, int] = field(default_factory=dict)
     pricers: dict[TensorInfo, PairPricer] = field(default_factory=dict)
+    states: dict[tuple, list[int] | None] = field(default_factory=dict)
 
     def canonical(self, options: list) -> int:
         """One small integer per distinct option list (hashed once per list object)."""
@@ -143,13 +161,13 @@ def _edge(
     value = producer.node.meta["val"]
     info = TensorInfo(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
     key = (info, cache.canonical(src_options), cache.canonical(dst_options))
+    pricer = None
+    if info is not None:
+        pricer = cache.pricers.get(info)
+        if pricer is None:
+            pricer = cache.pricers[info] = PairPricer(info, topology)
     pairs = cache.pairs.get(key)
     if pairs is None:
-        pricer = None
-        if info is not None:
-            pricer = cache.pricers.get(info)
-            if pricer is None:
-                pricer = cache.pricers[info] = PairPricer(info, topology)
         pairs = cache.pairs[key] = _price_pairs(pricer, src_options, dst_options)
     src_index = cache.required.get(("src", id(producer.strategies)))
     if src_index is None:
@@ -165,7 +183,30 @@ def _edge(
         dst_options=dst_options,
         dst_of_strategy=dst_of_strategy,
         pairs=pairs,
+        routes=_edge_routes(pricer, info, src_options, dst_options, cache),
     )
+
+
+def _edge_routes(
+    pricer: PairPricer | None, info: TensorInfo | None, src_options: list, dst_options: list, cache: PriceCache
+) -> EdgeRoutes | None:
+    if pricer is None or pricer.routes is None:
+        return None
+    src_states = _states(pricer, info, src_options, cache)
+    dst_states = _states(pricer, info, dst_options, cache)
+    if src_states is None or dst_states is None:
+        return None
+    return EdgeRoutes(pricer, src_states, dst_states)
+
+
+def _states(pricer: PairPricer, info: TensorInfo | None, options: list, cache: PriceCache) -> list[int] | None:
+    """Route state of each option (one shared list per distinct option list); None if an
+    option is not a state."""
+    key = (info, cache.canonical(options))
+    if key not in cache.states:
+        states = [pricer.state_of(p) for p in options]
+        cache.states[key] = None if None in states else states  # type: ignore[assignment]
+    return cache.states[key]
 
 
 def _required(consumer: NodeStrategies, slot: int | None, cache: PriceCache) -> tuple[list, list[int]]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -46,6 +46,7 @@ class NodeProgram:
     input_placements: dict[int, Any]  # slot -> required placements
     output_placements: Any
     run_locally: bool
+    input_routes: dict[int, tuple] = field(default_factory=dict)  # slot -> placements in between
 
 
 class JointExecutor:
@@ -63,7 +64,8 @@ class JointExecutor:
                 continue
             node_plan = plan.nodes[node.name]
             slots = {a.slot: a.dst for a in node_plan.arguments if a.kind == "arg"}
-            self.programs[node] = NodeProgram(node, slots, node_plan.strategy.output, node.name in local_sources)
+            routes = {a.slot: a.route for a in node_plan.arguments if a.kind == "arg" and a.route}
+            self.programs[node] = NodeProgram(node, slots, node_plan.strategy.output, node.name in local_sources, routes)
         self.forward_order = [n for n in graph.nodes if n in joint.forward_nodes and n in self.programs]
         self.backward_order = [n for n in graph.nodes if n not in joint.forward_nodes and n in self.programs]
         backward_set = set(self.backward_order)
@@ -105,7 +107,7 @@ class JointExecutor:
             value = env[arg]
             wanted = program.input_placements.get(slot)
             if isinstance(value, DTensor) and wanted is not None and not is_multi(wanted):
-                value = redistribute(value, wanted)
+                value = redistribute_along(value, program.input_routes.get(slot, ()), wanted)
             return value.to_local() if program.run_locally and isinstance(value, DTensor) else value
 
         args = tree_map(prepare, node.args)
@@ -127,6 +129,26 @@ class JointExecutor:
         if isinstance(result, DTensor):
             return redistribute(result, planned)
         return DTensor.from_local(result, self.mesh, planned, run_check=False)
+
+
+def boundary_route(plan: Plan, consumer: str, kind: str) -> tuple:
+    """The planned route of a boundary edge (``kind`` "param_grad", "input_grad", "output")
+    into node ``consumer``; () when it has none."""
+    node_plan = plan.nodes.get(consumer)
+    if node_plan is None:
+        return ()
+    return next((a.route for a in node_plan.arguments if a.kind == kind), ())
+
+
+def redistribute_along(value: DTensor, route: Sequence, placements: Sequence) -> DTensor:
+    """Redistribute through the planned intermediate placements (each step changes one mesh
+    dim, so each is one collective), then to ``placements``: the route the cost model priced.
+    Skipped when the value already has the target placements."""
+    if tuple(value.placements) == tuple(placements):
+        return value
+    for step in route:
+        value = redistribute(value, step)
+    return redistribute(value, placements)
 
 
 def redistribute(value: DTensor, placements: Sequence) -> DTensor:

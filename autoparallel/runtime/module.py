@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel import _torch_internals as internals
 from autoparallel.runtime.dynamic import ShapeVariants
-from autoparallel.runtime.executor import JointExecutor, redistribute
+from autoparallel.runtime.executor import JointExecutor, boundary_route, redistribute_along
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
 from autoparallel.shapes import local_shape
 from autoparallel.solver.plan import Plan
@@ -211,11 +211,15 @@ class _Runtime:
         return env
 
     def _outputs(self, env: dict) -> list[torch.Tensor]:
-        return [
-            redistribute(env[output], placements).to_local()
-            for output, placements in zip(self.joint.user_outputs, self.plan.output_placements)
-            if output is not None
-        ]
+        joint, plan = self.joint, self.plan
+        found = []
+        for index, (output, placements) in enumerate(zip(joint.user_outputs, plan.output_placements)):
+            if output is None:
+                continue
+            tangent = joint.tangents.get(index)
+            route = boundary_route(plan, tangent.name, "output") if tangent is not None else ()
+            found.append(redistribute_along(env[output], route, placements).to_local())
+        return found
 
     def _forward_program(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         env = self._environment(flat)
@@ -237,8 +241,22 @@ class _Runtime:
             if tangent is not None:
                 env[tangent] = DTensor.from_local(grad.contiguous(), mesh, plan.output_placements[index], run_check=False)
         self.executor.run(env, self.executor.backward_order)
-        grads = [redistribute(env[joint.param_grads[name]], plan.param_placements[name]).to_local() for name in self.params_with_grad]
-        grads += [redistribute(env[joint.input_grads[i]], plan.input_placements[i]).to_local() for i in self.inputs_with_grad]
+        grads = [
+            redistribute_along(
+                env[joint.param_grads[name]],
+                boundary_route(plan, joint.params[name].name, "param_grad"),
+                plan.param_placements[name],
+            ).to_local()
+            for name in self.params_with_grad
+        ]
+        grads += [
+            redistribute_along(
+                env[joint.input_grads[i]],
+                boundary_route(plan, joint.user_inputs[i].name, "input_grad"),
+                plan.input_placements[i],
+            ).to_local()
+            for i in self.inputs_with_grad
+        ]
         return grads
 
 

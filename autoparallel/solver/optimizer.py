@@ -259,16 +259,16 @@ def _is_prefetchable(edge: EdgeCost, problem: Problem, sources: set[fx.Node]) ->
 
 
 def prefetchable_columns(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
-    """(objective columns, comm us) of every forward parameter all-gather pair (see
+    """(objective columns, comm us) of every forward parameter all-gather pair or step (see
     :meth:`ShardingOptimizer.apply_prefetch_discount`)."""
     sources = parameter_views(problem)
     columns: list[int] = []
     comm_us: list[float] = []
-    for edge, edge_columns in zip(problem.tables.edges, problem.edge_columns):
+    for index, edge in enumerate(problem.tables.edges):
         if not _is_prefetchable(edge, problem, sources):
             continue
-        for column, (i, j, comm, _) in zip(edge_columns, edge.pairs):
-            if _gathers(edge.src_options[i], edge.dst_options[j]):
-                columns.append(int(column))
-                comm_us.append(comm)
+        for move in problem.edge_moves(index):  # pairs, or the gather steps of routes
+            if _gathers(move.src, move.dst):
+                columns.append(move.column)
+                comm_us.append(move.comm_us)
     return np.array(columns, dtype=np.int64), np.array(comm_us, dtype=np.float64)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autoparallel.cost.tables import EdgeCost
 from autoparallel.solver.highs import Solution, SolverStats
 from autoparallel.solver.problem import Problem
 from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
@@ -25,10 +26,19 @@ class ArgumentCost:
     dst: OutputPlacements
     comm_us: float
     transition_us: float
+    # placements visited between src and dst, one mesh dim changing per step (the priced
+    # route, which the runtime follows); () when src -> dst is a single step or no change
+    route: tuple[OutputPlacements, ...] = ()
 
     @property
     def is_redistribution(self) -> bool:
         return self.src != self.dst
+
+    @property
+    def steps(self) -> list[tuple[OutputPlacements, OutputPlacements]]:
+        """(from, to) of each step of the redistribution, in execution order."""
+        states = [self.src, *self.route, self.dst]
+        return [(a, b) for a, b in zip(states, states[1:]) if a != b]
 
 
 @dataclass
@@ -76,6 +86,13 @@ class Plan:
         return [(name, arg) for name, node in self.nodes.items() for arg in node.arguments if arg.is_redistribution]
 
 
+def _route(edge: EdgeCost, src: OutputPlacements, dst: OutputPlacements) -> tuple[OutputPlacements, ...]:
+    """Intermediate placements of the priced route (none for direct-model edges)."""
+    if edge.routes is None or src == dst:
+        return ()
+    return tuple(edge.routes.pricer.route(src, dst)[1:-1])
+
+
 def build_plan(problem: Problem, solution: Solution, mesh_dim_names: tuple[str, ...] | None) -> Plan:
     joint, space, tables = problem.joint, problem.space, problem.tables
     choice = solution.choice
@@ -97,15 +114,17 @@ def build_plan(problem: Problem, solution: Solution, mesh_dim_names: tuple[str, 
         comm, transition = next(
             ((c, t) for i, j, c, t in edge.pairs if i == src_index and j == dst_index), (float("nan"), 0.0)
         )
+        src, dst = edge.src_options[src_index], edge.dst_options[dst_index]
         nodes[edge.consumer.name].arguments.append(
             ArgumentCost(
                 producer=edge.producer.name,
                 slot=edge.slot,
                 kind=edge.kind,
-                src=edge.src_options[src_index],
-                dst=edge.dst_options[dst_index],
+                src=src,
+                dst=dst,
                 comm_us=comm,
                 transition_us=transition,
+                route=_route(edge, src, dst),
             )
         )
 

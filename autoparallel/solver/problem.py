@@ -2,13 +2,22 @@
 
 Variables
     x[n, s]  binary, node n runs strategy s; exactly one per node.
-    y[e, p]  continuous in [0, 1], edge e uses placement pair p = (src, dst).
+    y[e, p]  continuous in [0, 1], edge e uses placement pair p = (src, dst)  ("pairs"), or
+    f[e, a]  continuous in [0, 1], edge e's route takes single-step arc a     ("routes").
 
-Edges are priced on distinct placement pairs, not on strategy pairs: for each edge the
+Pairs: edges are priced on distinct placement pairs, not on strategy pairs: for each edge the
 y's of one producer placement sum to the x's of the producer strategies with that output
 placement, and the y's of one required placement sum to the x's of the consumer strategies
 requiring it. With integral x both marginals are unit vectors, so y is integral too; that is
-why y needs no integrality, and the problem stays small.
+why y needs no integrality.
+
+Routes: when every option of an edge is a state of its tensor's route table (see
+``cost/routes.py``) and the table's arcs are fewer than half the pairs, the edge is a flow
+instead: per state, the arcs leaving it minus the arcs entering it equal the producer x's
+with that output minus the consumer x's requiring it. With integral x one unit flows from
+the producer's placement to the required one, and the cheapest flow is the cheapest route:
+exactly the pair price, since pairs are priced as cheapest routes. On a 3-D mesh an
+activation has ~200 placements, so ~40 000 pairs against ~3 000 arcs.
 
 User constraints (input/output placements, node placements, parameter memory) are kept
 apart from the structural rows, by name, so they can be listed, removed and re-solved, and so
@@ -44,6 +53,16 @@ class Row:
     upper: float
 
 
+@dataclass(frozen=True)
+class EdgeMove:
+    """One edge column: it moves the value from ``src`` to ``dst`` placements for ``comm_us``."""
+
+    column: int
+    src: object
+    dst: object
+    comm_us: float
+
+
 @dataclass
 class UserConstraint:
     """A named constraint the user asked for; ``rows`` are added to the structural ones."""
@@ -65,6 +84,27 @@ class Problem:
     rows: list[Row]
     folding: Folding | None = None
     user_constraints: dict[str, UserConstraint] = field(default_factory=dict)
+    # per edge: "pairs" (edge_columns[e][k] is edge.pairs[k]) or "routes" (edge_columns[e][k]
+    # is arc k of edge.routes.table); empty means all pairs
+    edge_encodings: list[str] = field(default_factory=list)
+
+    def edge_encoding(self, index: int) -> str:
+        return self.edge_encodings[index] if self.edge_encodings else "pairs"
+
+    def edge_moves(self, index: int) -> list[EdgeMove]:
+        """What each column of edge ``index`` moves: a placement pair or one route step."""
+        edge, columns = self.tables.edges[index], self.edge_columns[index]
+        if self.edge_encoding(index) == "pairs":
+            return [
+                EdgeMove(int(column), edge.src_options[i], edge.dst_options[j], comm)
+                for column, (i, j, comm, _) in zip(columns, edge.pairs)
+            ]
+        assert edge.routes is not None
+        pricer, table = edge.routes.pricer, edge.routes.table
+        return [
+            EdgeMove(int(column), pricer.placements_of_state(int(a)), pricer.placements_of_state(int(b)), float(comm))
+            for column, a, b, comm in zip(columns, table.arc_src, table.arc_dst, table.arc_comm)
+        ]
 
     @property
     def num_variables(self) -> int:
@@ -172,11 +212,16 @@ class Problem:
 
 
 def build_problem(
-    joint: JointGraph, space: StrategySpace, tables: CostTables, folding: Folding | None = None
+    joint: JointGraph,
+    space: StrategySpace,
+    tables: CostTables,
+    folding: Folding | None = None,
+    use_routes: bool = True,
 ) -> Problem:
     """The MIP of the stage docstring; with ``folding``, each class of repeated nodes has
-    one set of x columns, edges whose endpoints fold alike share their y columns, and a
-    shared column's cost is the sum over the members it stands for.
+    one set of x columns, edges whose endpoints fold alike share their y (f) columns, and a
+    shared column's cost is the sum over the members it stands for. ``use_routes=False``
+    prices every edge on pairs (same optimum, larger problem).
 
     Built with numpy per distinct price list (lists are shared between repeated layers), so
     the work grows with the number of edges, not with their pairs: an 80-layer model on a
@@ -214,16 +259,26 @@ def build_problem(
         contributions.append((columns, as_array(tables.compute_us[node], lambda v: np.asarray(v, dtype=np.float64))))
 
     edge_columns = []
+    edge_encodings = []
     shared_edges: dict[tuple, np.ndarray] = {}
     groups = _Groups()
     for edge in tables.edges:
+        encoding = "routes" if use_routes and _routes_are_smaller(edge) else "pairs"
         key = (representative[edge.producer], representative[edge.consumer], edge.slot, edge.kind, id(edge.pairs))
         columns = shared_edges.get(key)
-        if columns is None:
-            columns = shared_edges[key] = new_columns(len(edge.pairs), integral=False)
-            rows.extend(_marginal_rows(edge, columns, node_columns, groups))
-        contributions.append((columns, as_array(edge.pairs, _pair_costs)))
+        if encoding == "routes":
+            table = edge.routes.table  # type: ignore[union-attr]
+            if columns is None:
+                columns = shared_edges[key] = new_columns(table.num_arcs, integral=False)
+                rows.extend(_flow_rows(edge, columns, node_columns, groups))
+            contributions.append((columns, as_array(table.arc_comm, lambda comm: comm + table.step_tie_breaker)))
+        else:
+            if columns is None:
+                columns = shared_edges[key] = new_columns(len(edge.pairs), integral=False)
+                rows.extend(_marginal_rows(edge, columns, node_columns, groups))
+            contributions.append((columns, as_array(edge.pairs, _pair_costs)))
         edge_columns.append(columns)
+        edge_encodings.append(encoding)
 
     objective = np.zeros(num_columns)
     for columns, costs in contributions:
@@ -248,12 +303,47 @@ def build_problem(
         integrality=integrality,
         rows=rows,
         folding=folding,
+        edge_encodings=edge_encodings,
     )
     logger.info(
         "problem: %d variables, %d constraints (%d nodes in %d classes)",
         problem.num_variables, problem.num_constraints, len(space.nodes), folding.num_classes,
     )
     return problem
+
+
+def _routes_are_smaller(edge: EdgeCost) -> bool:
+    """A flow pays off when the table's arcs are at most half the edge's pairs."""
+    return edge.routes is not None and 2 * edge.routes.table.num_arcs <= len(edge.pairs)
+
+
+def _flow_rows(edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray], groups: "_Groups") -> list[Row]:
+    """Per route state: arcs out - arcs in - producer x's there + consumer x's there = 0."""
+    routes = edge.routes
+    assert routes is not None
+    table = routes.table
+    leaving, entering = groups.arcs(table)
+    num_states = table.num_states
+    producer_states = groups.mapped(routes.src_states, edge.src_of_strategy)
+    consumer_states = groups.mapped(routes.dst_states, edge.dst_of_strategy)
+    supplies = groups.split(producer_states, None, producer_states, num_states)
+    demands = groups.split(consumer_states, None, consumer_states, num_states)
+    producer_columns, consumer_columns = node_columns[edge.producer], node_columns[edge.consumer]
+    overlap = producer_columns is consumer_columns
+    rows = []
+    for state in range(num_states):
+        out_cols, in_cols = columns[leaving[state]], columns[entering[state]]
+        supply_cols, demand_cols = producer_columns[supplies[state]], consumer_columns[demands[state]]
+        row = Row(
+            np.concatenate([out_cols, in_cols, supply_cols, demand_cols]),
+            np.concatenate(
+                [np.ones(len(out_cols)), -np.ones(len(in_cols)), -np.ones(len(supply_cols)), np.ones(len(demand_cols))]
+            ),
+            0.0,
+            0.0,
+        )
+        rows.append(_aggregated(row) if overlap else row)
+    return rows
 
 
 def _pair_costs(pairs: list[tuple[int, int, float, float]]) -> np.ndarray:
@@ -272,6 +362,24 @@ class _Groups:
     def __init__(self) -> None:
         self._found: dict[tuple, list[np.ndarray]] = {}
         self._keep: list = []  # keep keyed objects alive: ids must not be reused
+
+    def arcs(self, table: object) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(arcs leaving, arcs entering) each state of a route table."""
+        key = ("arcs", id(table))
+        found = self._found.get(key)
+        if found is None:
+            found = self._found[key] = (table.outgoing(), table.incoming())  # type: ignore[attr-defined]
+            self._keep.append(table)
+        return found  # type: ignore[return-value]
+
+    def mapped(self, states: list[int], of_strategy: list[int]) -> np.ndarray:
+        """State of each strategy: ``states[of_strategy[s]]`` (one array per pair of lists)."""
+        key = ("mapped", id(states), id(of_strategy))
+        found = self._found.get(key)
+        if found is None:
+            found = self._found[key] = np.asarray(states, dtype=np.int64)[np.asarray(of_strategy, dtype=np.int64)]
+            self._keep.extend([states, of_strategy])
+        return found  # type: ignore[return-value]
 
     def split(self, key_object: object, position: int | None, values, count: int) -> list[np.ndarray]:
         key = (id(key_object), position, count)

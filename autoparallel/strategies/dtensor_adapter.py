@@ -20,6 +20,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel import _torch_internals as internals
+from autoparallel.strategies import view_rules
 from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,9 @@ def _call_per_option(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, producer
     """
     inputs = list(dict.fromkeys(_tensor_input_nodes(node)))
     candidates = {n: producer_options[n] for n in inputs}
+    unpriced = None if _USE_DTENSOR_WHOLE_MESH else _without_pricing(strategy_fn, node, mesh, candidates)
+    if unpriced is not None:
+        return unpriced
     try:
         return _call(strategy_fn, node, mesh, candidates)
     except NoDTensorStrategy as first_error:
@@ -214,6 +218,22 @@ def _call_per_option(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, producer
         if not found:
             raise first_error
         return found
+
+
+# Internal switch (tests): ask DTensor's whole-mesh strategy functions for views,
+# slice_backward, cat and linear reductions with every option at once, which prices every
+# candidate against every option (slow on 3-D meshes), instead of enumerating the same
+# strategies without that pricing (strategies/view_rules.py).
+_USE_DTENSOR_WHOLE_MESH = False
+
+
+def _without_pricing(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]) -> list | None:
+    """What :func:`_call_per_option` would return, without DTensor's pricing; None if unsure."""
+    try:
+        schema = _schema(node, mesh, candidates)
+    except Exception:  # DTensor's path raises the same, with the adapter's message
+        return None
+    return view_rules.strategies_without_pricing(strategy_fn, schema, MAX_OPTION_COMBINATIONS)
 
 
 def _representative(node: fx.Node, mesh_ndim: int) -> tuple:
