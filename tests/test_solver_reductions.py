@@ -12,10 +12,11 @@ from planning import batch_sharded
 
 from autoparallel import AutoParallel
 from autoparallel import _torch_internals as internals
-from autoparallel.cost import TRANSITION_COST_US, PairPricer
-from autoparallel.models import Llama, llama_config
+from autoparallel.cost import TRANSITION_COST_US, PairPricer, direct_redistribution_cost_us
+from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.shapes import TensorInfo
 from autoparallel.solver.highs import SolverOptions, _run, solve
+from autoparallel.solver.plan import build_plan
 
 CONFIG = llama_config("tiny")  # 2 layers
 
@@ -162,3 +163,42 @@ def test_single_dim_ops_expand_as_dtensor_does(fake_mesh, monkeypatch, shape):
             single_dim += 1
     assert single_dim > 10
     assert ours.fallbacks == theirs.fallbacks
+
+
+def _mlp_autop(mesh) -> AutoParallel:
+    autop = AutoParallel(meta(lambda: MLP(64, 256)), lambda: torch.randn(64, 64), mesh)
+    autop.__enter__()
+    autop.add_input_constraints([batch_sharded(mesh.ndim)])
+    autop.add_parameter_memory_constraint()
+    return autop
+
+
+@pytest.mark.parametrize(("model", "shape"), [("llama", (2, 4)), ("mlp", (2, 2, 2))])
+def test_route_flows_keep_the_optimum_of_pair_pricing(fake_mesh, model, shape):
+    """Edges priced as flows over single-step route arcs must give exactly the optimum of the
+    same problem priced on placement pairs, with fewer variables; each route of the plan is
+    single-dim steps that cost what the plan says."""
+    from autoparallel.solver.problem import build_problem
+
+    autop = (_autop if model == "llama" else _mlp_autop)(fake_mesh(shape))
+    flows = autop.sharding_optimizer.problem
+    assert "routes" in flows.edge_encodings
+    pairs = build_problem(flows.joint, flows.space, flows.tables, flows.folding, use_routes=False)
+    assert set(pairs.edge_encodings) == {"pairs"}
+    pairs.user_constraints = dict(flows.user_constraints)  # x columns come first in both
+    assert flows.num_variables < pairs.num_variables
+    options = SolverOptions(time_limit_s=600)
+    by_flows, by_pairs = solve(flows, options), solve(pairs, options)
+    assert by_flows.stats.status == by_pairs.stats.status == "Optimal"
+    assert by_flows.stats.objective == pytest.approx(by_pairs.stats.objective, rel=1e-9)
+    plan = build_plan(flows, by_flows, None)
+    nodes = {node.name: node for node in flows.space.nodes}
+    for _, argument in plan.redistributions():
+        value = nodes[argument.producer].meta["val"]
+        if not isinstance(value, torch.Tensor):
+            continue
+        tensor = TensorInfo(tuple(value.shape), value.dtype)
+        steps = argument.steps
+        assert all(sum(a != b for a, b in zip(x, y)) == 1 for x, y in steps) or not argument.route
+        cost = sum(direct_redistribution_cost_us(tensor, x, y, flows.tables.topology) for x, y in steps)
+        assert cost == pytest.approx(argument.comm_us, rel=1e-9, abs=1e-9)

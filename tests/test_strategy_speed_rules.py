@@ -1,6 +1,6 @@
-"""DTensor's whole-mesh strategies for views, slice_backward, cat and linear reductions, enumerated by us without
-DTensor's redistribution pricing (autoparallel/strategies/view_rules.py), must be exactly
-DTensor's: same strategies, same order, node by node, or the plan could change."""
+"""DTensor's whole-mesh strategies for views, slice_backward, cat and linear reductions,
+enumerated by us without DTensor's redistribution pricing (strategies/view_rules.py), must be
+exactly DTensor's: same strategies, same order, node by node, or the plan could change."""
 
 from __future__ import annotations
 
