@@ -243,3 +243,37 @@ def plan_is_shared(rank: int, world_size: int) -> dict[str, Any]:
         plan = autop.optimize_placement()
         solved_here = autop.sharding_optimizer._solution is not None  # only the solving rank has one
     return {"solved_here": solved_here, "placements": {k: placement_str(v) for k, v in plan.param_placements.items()}}
+
+
+def route_is_executed(rank: int, world_size: int) -> dict[str, Any]:
+    """A Partial over the inter-node dim of a (2, 2) mesh (2 ranks per node) is reduced along
+    the planned route: slice over the intra-node dim, all-reduce the half-size shard across
+    nodes, all-gather it back. Returns the route, the collectives issued (CommDebugMode) and
+    the error against the exact sum."""
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autoparallel.cost import redistribution_route
+    from autoparallel.runtime.executor import redistribute_along
+    from autoparallel.shapes import TensorInfo
+    from autoparallel.topology import Topology
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    coordinate = mesh.get_coordinate()
+    torch.manual_seed(coordinate[0])  # replicated over mesh dim 1, one addend per row
+    local = torch.randn(1024, 256)  # big enough for bandwidth to matter more than latency
+    everyone = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(everyone, local)
+    # Partial over mesh dim 0: ranks (0, c) and (1, c) hold the two addends
+    exact = sum(everyone[row * 2 + coordinate[1]] for row in range(2))
+    value = DTensor.from_local(local, mesh, (Partial(), Replicate()), run_check=False)
+    topology = Topology((2, 2), "h100", gpus_per_node=2)
+    route = redistribution_route(TensorInfo((1024, 256), torch.float32), (Partial(), Replicate()), (Replicate(), Replicate()), topology)
+    with CommDebugMode() as comms:
+        result = redistribute_along(value, route[1:-1], (Replicate(), Replicate()))
+    counts = {str(op): n for op, n in comms.get_comm_counts().items()}
+    return {
+        "route": [placement_str(p) for p in route],
+        "comms": counts,
+        "error": (result.to_local() - exact).abs().max().item(),
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from runtime_cases import (
+    route_is_executed,
     LR,
     STEPS,
     dynamic_batch_sizes,
@@ -115,3 +116,15 @@ def test_one_rank_solves_and_every_rank_applies_its_plan():
     first, second = run_distributed(plan_is_shared, 2, timeout_s=120)
     assert (first["solved_here"], second["solved_here"]) == (True, False)
     assert first["placements"] == second["placements"]
+
+
+def test_the_runtime_follows_the_planned_route():
+    """Hierarchical all-reduce: the cost model's route for P over the inter-node dim is
+    slice, all-reduce, all-gather, and the runtime issues exactly one all-reduce and one
+    all-gather (no whole-tensor all-reduce), with the exact sum as the result."""
+    results = run_distributed(route_is_executed, 4, timeout_s=240)
+    for result in results:
+        assert result["route"] == ["P(sum)R", "P(sum)S(0)", "RS(0)", "RR"], result["route"]
+        assert sorted(result["comms"].values()) == [1, 1]
+        assert any("all_reduce" in op for op in result["comms"]) and any("all_gather" in op for op in result["comms"])
+        assert result["error"] < 1e-5

@@ -318,7 +318,12 @@ def _routes_are_smaller(edge: EdgeCost) -> bool:
 
 
 def _flow_rows(edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray], groups: "_Groups") -> list[Row]:
-    """Per route state: arcs out - arcs in - producer x's there + consumer x's there = 0."""
+    """Per route state: arcs out - arcs in - producer x's there + consumer x's there = 0.
+
+    One state's row is left out: the rows of all states sum to (consumer x's - producer x's),
+    which the one-hot rows already make 0, so any one of them follows from the others. Saying
+    so spares the solver's presolve a search for dependent equations.
+    """
     routes = edge.routes
     assert routes is not None
     table = routes.table
@@ -331,7 +336,7 @@ def _flow_rows(edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, 
     producer_columns, consumer_columns = node_columns[edge.producer], node_columns[edge.consumer]
     overlap = producer_columns is consumer_columns
     rows = []
-    for state in range(num_states):
+    for state in range(num_states - 1):
         out_cols, in_cols = columns[leaving[state]], columns[entering[state]]
         supply_cols, demand_cols = producer_columns[supplies[state]], consumer_columns[demands[state]]
         row = Row(
@@ -421,7 +426,12 @@ def _same_placement_rows(
 def _marginal_rows(
     edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray], groups: "_Groups"
 ) -> list[Row]:
-    """sum of y over pairs with src a == sum of producer x with output a; same for dst."""
+    """sum of y over pairs with src a == sum of producer x with output a; same for dst.
+
+    The last dst row is left out: all src rows sum to (sum of y == producer x's), all dst
+    rows to (sum of y == consumer x's), and both x sums are 1, so it follows from the others
+    (as in ``_flow_rows``; it spares presolve a dependent-equation search).
+    """
     rows = []
     sides = (
         (0, edge.src_options, edge.src_of_strategy, node_columns[edge.producer]),
@@ -430,7 +440,7 @@ def _marginal_rows(
     for position, options, of_strategy, strategy_columns in sides:
         by_pair = groups.split(edge.pairs, position, edge.pairs, len(options))
         by_strategy = groups.split(of_strategy, None, of_strategy, len(options))
-        for option in range(len(options)):
+        for option in range(len(options) - position):  # position 1: all dst rows but the last
             pair_cols = columns[by_pair[option]]
             node_cols = strategy_columns[by_strategy[option]]
             row_columns = np.concatenate([pair_cols, node_cols])

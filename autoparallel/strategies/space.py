@@ -44,7 +44,9 @@ def build_strategy_space(joint: JointGraph, mesh: DeviceMesh) -> StrategySpace:
             continue
         node_strategies = _strategies_for(node, mesh, mesh_shape, options, space, answers)
         space.nodes[node] = node_strategies
-        shared = answers.setdefault(("outputs", id(node_strategies.strategies)), node_strategies.output_placements())
+        shared = answers.get(("outputs", id(node_strategies.strategies)))
+        if shared is None:  # computed once per distinct strategy list
+            shared = answers[("outputs", id(node_strategies.strategies))] = node_strategies.output_placements()
         node_strategies._outputs = (node_strategies.strategies, shared)
         options[node] = shared  # one list object per distinct strategy list: a cheap cache key
     logger.debug("strategy space: %d nodes, %d strategies", len(space.nodes), space.num_strategies)
