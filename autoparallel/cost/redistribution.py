@@ -213,6 +213,7 @@ class PairPricer:
         self._codes: dict[tuple, tuple | None] = {}
         self._prices: dict[tuple, tuple[float, float]] = {}
         self._routes: RouteTable | None | bool = False  # False: not built yet
+        self._states: dict[object, int | None] = {}
         # per mesh dim: (size, latency us, bytes per us) exactly as collectives._ring_us reads them
         self._links = [
             (n, topology.latency_us(d) if n > 1 else 0.0, topology.bandwidth(d) if n > 1 else 1.0)
@@ -240,13 +241,16 @@ class PairPricer:
 
     def state_of(self, placements: object) -> int | None:
         """Index of ``placements`` among the route states; None if it is not one."""
-        if not isinstance(placements, tuple) or len(placements) != len(self.mesh_shape) or is_multi(placements):
-            return None
-        routes = self.routes
-        codes = self._code_of(placements)
-        if routes is None or codes is None:
-            return None
-        return routes.index.get(codes)
+        if placements in self._states:
+            return self._states[placements]
+        state = None
+        if isinstance(placements, tuple) and len(placements) == len(self.mesh_shape) and not is_multi(placements):
+            routes = self.routes
+            codes = self._code_of(placements)
+            if routes is not None and codes is not None:
+                state = routes.index.get(codes)
+        self._states[placements] = state
+        return state
 
     def placements_of_state(self, state: int) -> tuple[Placement, ...]:
         return tuple(_placement_of_code(code) for code in self.routes.states[state])  # type: ignore[union-attr]
