@@ -97,6 +97,8 @@ def main() -> None:
         "constraints_before_folding": constraints_before,
         "variables": problem.num_variables,
         "constraints": problem.num_constraints,
+        "edges": len(problem.tables.edges),
+        "edges_as_route_flows": problem.edge_encodings.count("routes"),
         "objective_us": round(plan.solver.objective, 2) if plan else None,
         "solver_status": plan.solver.status if plan else "not solved (--build-only)",
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -202,3 +202,34 @@ def test_route_flows_keep_the_optimum_of_pair_pricing(fake_mesh, model, shape):
         assert all(sum(a != b for a, b in zip(x, y)) == 1 for x, y in steps) or not argument.route
         cost = sum(direct_redistribution_cost_us(tensor, x, y, flows.tables.topology) for x, y in steps)
         assert cost == pytest.approx(argument.comm_us, rel=1e-9, abs=1e-9)
+
+
+def test_route_flows_keep_the_optimum_under_reduce_dtype_constraints(fake_mesh):
+    """The mixed-precision rule (no reduction before the cast to reduce_dtype) forbids
+    reducing pairs on pair edges and reducing steps on flow edges: same optimum both ways,
+    on a mesh whose dim 0 crosses nodes (so routes differ from direct moves)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from autoparallel.mixed_precision import reduction_dtype_constraints
+    from autoparallel.solver.problem import build_problem
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = fake_mesh((2, 4))
+    model = meta(lambda: Llama(CONFIG))
+    with AutoParallel(model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), mesh, mp_policy=policy, gpus_per_node=4) as autop:
+        autop.add_input_constraints([batch_sharded(2)])
+        autop.add_parameter_memory_constraint()
+        flows = autop.sharding_optimizer.problem
+        assert "routes" in flows.edge_encodings
+        by_flows = autop.optimize_placement().solver
+    pairs = build_problem(flows.joint, flows.space, flows.tables, flows.folding, use_routes=False)
+    for name, constraint in flows.user_constraints.items():
+        if not name.startswith("mixed_precision:"):
+            pairs.add_constraint(constraint)
+    reduce_rules = reduction_dtype_constraints(pairs, policy)
+    assert len(reduce_rules) == sum(1 for name in flows.user_constraints if name.startswith("mixed_precision:")) > 0
+    for constraint in reduce_rules:
+        pairs.add_constraint(constraint)
+    by_pairs = solve(pairs, SolverOptions(time_limit_s=600)).stats
+    assert by_flows.status == by_pairs.status == "Optimal"
+    assert by_flows.objective == pytest.approx(by_pairs.objective, rel=1e-9)
