@@ -86,6 +86,14 @@ class Plan:
         return [(name, arg) for name, node in self.nodes.items() for arg in node.arguments if arg.is_redistribution]
 
 
+def _pair_price(edge: EdgeCost, src_index: int, dst_index: int) -> tuple[float, float]:
+    """(comm, transition) of one pair: straight from the route table when the edge has one
+    (the numbers its pair table was filled with), else by scanning its (small) pair list."""
+    if edge.routes is not None:
+        return edge.routes.table.price(edge.routes.src_states[src_index], edge.routes.dst_states[dst_index])
+    return next(((c, t) for i, j, c, t in edge.pairs if i == src_index and j == dst_index), (float("nan"), 0.0))
+
+
 def _route(edge: EdgeCost, src: OutputPlacements, dst: OutputPlacements) -> tuple[OutputPlacements, ...]:
     """Intermediate placements of the priced route (none for direct-model edges)."""
     if edge.routes is None or src == dst:
@@ -111,9 +119,7 @@ def build_plan(problem: Problem, solution: Solution, mesh_dim_names: tuple[str, 
     for edge in tables.edges:
         src_index = edge.src_of_strategy[choice[edge.producer]]
         dst_index = edge.dst_of_strategy[choice[edge.consumer]]
-        comm, transition = next(
-            ((c, t) for i, j, c, t in edge.pairs if i == src_index and j == dst_index), (float("nan"), 0.0)
-        )
+        comm, transition = _pair_price(edge, src_index, dst_index)
         src, dst = edge.src_options[src_index], edge.dst_options[dst_index]
         nodes[edge.consumer.name].arguments.append(
             ArgumentCost(
