@@ -51,7 +51,8 @@ def format_totals(plan: Plan) -> list[str]:
         f"total cost: {t.total_us:.2f} us = comm {t.comm_us:.2f} us + compute {t.compute_us:.2f} us "
         f"+ transition {t.transition_us:.2f} us",
         f"solver: status {s.status}, objective {s.objective:.2f} us, bound {s.bound:.2f} us, gap {100 * s.gap:.3f}%, "
-        f"time {s.time_s:.2f} s, {s.num_variables} variables, {s.num_constraints} constraints",
+        f"time {s.time_s:.2f} s, {s.num_variables} variables, {s.num_constraints} constraints"
+        + (", solved as an LP (its relaxation was integral)" if s.method == "lp" else ""),
     ]
 
 

@@ -358,6 +358,7 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
             "time_s": _num(solver.time_s),
             "num_variables": int(solver.num_variables),
             "num_constraints": int(solver.num_constraints),
+            "method": solver.method,
         },
         "parameters": _parameters(problem, plan),
         "inputs": _boundary(joint.user_inputs, plan.input_placements),

@@ -101,6 +101,7 @@ def main() -> None:
         "edges_as_route_flows": problem.edge_encodings.count("routes"),
         "objective_us": round(plan.solver.objective, 2) if plan else None,
         "solver_status": plan.solver.status if plan else "not solved (--build-only)",
+        "solved_by": plan.solver.method if plan else None,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }))
     dist.destroy_process_group()

@@ -42,6 +42,7 @@ def test_lp_first_reaches_the_mip_optimum(fake_mesh):
     mip = solve(problem, SolverOptions(lp_first=False))
     assert relaxed.stats.objective == pytest.approx(mip.stats.objective, rel=1e-9)
     assert relaxed.stats.bound == relaxed.stats.objective and relaxed.stats.gap == 0.0
+    assert relaxed.stats.method == "lp" and mip.stats.method == "mip"
     # the LP's choice is a valid plan of that price: re-price it from the tables
     tables = problem.tables
     total = sum(tables.compute_us[n][s] for n, s in relaxed.choice.items())

@@ -51,6 +51,9 @@ class SolverStats:
     time_s: float
     num_variables: int
     num_constraints: int
+    # "lp": the LP relaxation came out integral (a proven optimum without branching);
+    # "mip": branch and bound ran (small problems, or a fractional relaxation)
+    method: str = "mip"
 
 
 @dataclass
@@ -165,6 +168,7 @@ def solve(problem: Problem, options: SolverOptions | None = None) -> Solution:
         time_s=elapsed,
         num_variables=problem.num_variables,
         num_constraints=problem.num_constraints,
+        method="lp" if relaxation and problem.integrality.any() else "mip",
     )
     return Solution(choice=choice, stats=stats)
 
