@@ -328,7 +328,7 @@ class PairPricer:
         src_states = [self.state_of(p) for p in src_options]
         dst_states = [self.state_of(p) for p in dst_options]
         if None not in src_states and None not in dst_states and src_options and dst_options:
-            return self._route_table(src_states, dst_states)
+            return self._prices_from_routes(src_states, dst_states)
         pairs = []
         for i, src in enumerate(src_options):
             for j, dst in enumerate(dst_options):
@@ -337,7 +337,7 @@ class PairPricer:
                     pairs.append((i, j, comm, transition))
         return pairs
 
-    def _route_table(self, src_states: list, dst_states: list) -> list[tuple[int, int, float, float]]:
+    def _prices_from_routes(self, src_states: list, dst_states: list) -> list[tuple[int, int, float, float]]:
         routes = self.routes
         assert routes is not None
         rows = np.asarray(src_states, dtype=np.int64)[:, None]

@@ -66,6 +66,14 @@ class JointExecutor:
             slots = {a.slot: a.dst for a in node_plan.arguments if a.kind == "arg"}
             routes = {a.slot: a.route for a in node_plan.arguments if a.kind == "arg" and a.route}
             self.programs[node] = NodeProgram(node, slots, node_plan.strategy.output, node.name in local_sources, routes)
+        # routes of the boundary edges (gradients into their parameter/input, outputs into
+        # their tangent), read once here rather than on every call
+        self.boundary_routes = {
+            (name, a.kind): a.route
+            for name, node_plan in plan.nodes.items()
+            for a in node_plan.arguments
+            if a.kind != "arg" and a.route
+        }
         self.forward_order = [n for n in graph.nodes if n in joint.forward_nodes and n in self.programs]
         self.backward_order = [n for n in graph.nodes if n not in joint.forward_nodes and n in self.programs]
         backward_set = set(self.backward_order)
@@ -92,6 +100,12 @@ class JointExecutor:
     def run(self, env: dict[fx.Node, Any], order: Sequence[fx.Node]) -> None:
         for node in order:
             env[node] = self._evaluate(self.programs[node], env)
+
+    def leave(self, value: DTensor, consumer: fx.Node, kind: str, placements: Sequence) -> torch.Tensor:
+        """The local tensor of ``value`` once it has followed the planned boundary route
+        (``kind`` "param_grad", "input_grad" or "output") into ``consumer``'s placements."""
+        route = self.boundary_routes.get((consumer.name, kind), ())
+        return redistribute_along(value, route, placements).to_local()
 
     def _evaluate(self, program: NodeProgram, env: dict[fx.Node, Any]) -> Any:
         node = program.node
@@ -129,15 +143,6 @@ class JointExecutor:
         if isinstance(result, DTensor):
             return redistribute(result, planned)
         return DTensor.from_local(result, self.mesh, planned, run_check=False)
-
-
-def boundary_route(plan: Plan, consumer: str, kind: str) -> tuple:
-    """The planned route of a boundary edge (``kind`` "param_grad", "input_grad", "output")
-    into node ``consumer``; () when it has none."""
-    node_plan = plan.nodes.get(consumer)
-    if node_plan is None:
-        return ()
-    return next((a.route for a in node_plan.arguments if a.kind == kind), ())
 
 
 def redistribute_along(value: DTensor, route: Sequence, placements: Sequence) -> DTensor:

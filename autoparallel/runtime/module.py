@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel import _torch_internals as internals
 from autoparallel.runtime.dynamic import ShapeVariants
-from autoparallel.runtime.executor import JointExecutor, boundary_route, redistribute_along
+from autoparallel.runtime.executor import JointExecutor
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
 from autoparallel.shapes import local_shape
 from autoparallel.solver.plan import Plan
@@ -217,8 +217,8 @@ class _Runtime:
             if output is None:
                 continue
             tangent = joint.tangents.get(index)
-            route = boundary_route(plan, tangent.name, "output") if tangent is not None else ()
-            found.append(redistribute_along(env[output], route, placements).to_local())
+            consumer = tangent if tangent is not None else output  # no tangent: no planned route
+            found.append(self.executor.leave(env[output], consumer, "output", placements))
         return found
 
     def _forward_program(self, *flat: torch.Tensor) -> list[torch.Tensor]:
@@ -241,20 +241,13 @@ class _Runtime:
             if tangent is not None:
                 env[tangent] = DTensor.from_local(grad.contiguous(), mesh, plan.output_placements[index], run_check=False)
         self.executor.run(env, self.executor.backward_order)
+        leave = self.executor.leave
         grads = [
-            redistribute_along(
-                env[joint.param_grads[name]],
-                boundary_route(plan, joint.params[name].name, "param_grad"),
-                plan.param_placements[name],
-            ).to_local()
+            leave(env[joint.param_grads[name]], joint.params[name], "param_grad", plan.param_placements[name])
             for name in self.params_with_grad
         ]
         grads += [
-            redistribute_along(
-                env[joint.input_grads[i]],
-                boundary_route(plan, joint.user_inputs[i].name, "input_grad"),
-                plan.input_placements[i],
-            ).to_local()
+            leave(env[joint.input_grads[i]], joint.user_inputs[i], "input_grad", plan.input_placements[i])
             for i in self.inputs_with_grad
         ]
         return grads
