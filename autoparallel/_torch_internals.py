@@ -10,6 +10,7 @@ breaks one file, not twenty.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "export_joint",
     "describe_input",
     "describe_output",
+    "retarget_descriptor",
     "dtensor_strategy_function",
     "single_dim_rules",
     "view_rule_of",
@@ -81,6 +83,20 @@ def describe_input(desc: Any) -> tuple[str, Any]:
     if isinstance(desc, _desc.TangentAOTInput):
         return "tangent", desc.output
     return "other", desc
+
+
+def retarget_descriptor(desc: Any, old_prefix: str, new_prefix: str) -> Any:
+    """``desc`` with a parameter/buffer name starting ``old_prefix`` moved to ``new_prefix``.
+
+    Used when one traced layer's nodes are repeated for another layer (repeated_layers.py):
+    the copy's inputs and gradients must name that layer's parameters. Descriptors of
+    anything else come back unchanged.
+    """
+    if isinstance(desc, (_desc.ParamAOTInput, _desc.BufferAOTInput)) and desc.target.startswith(old_prefix):
+        return dataclasses.replace(desc, target=new_prefix + desc.target[len(old_prefix):])
+    if isinstance(desc, _desc.GradAOTOutput):
+        return dataclasses.replace(desc, grad_of=retarget_descriptor(desc.grad_of, old_prefix, new_prefix))
+    return desc
 
 
 def describe_output(desc: Any) -> tuple[str, Any]:

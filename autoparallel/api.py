@@ -53,6 +53,9 @@ class AutoParallel:
         time_limit_s / relative_gap: solver controls (on a time-out the best plan found is
             returned with a warning).
         fold: let repeated layers share decision variables (see solver/folding.py).
+        trace_layers_once: when the model's layers are identical modules, trace it with 3
+            and 4 layers and build the full graph from those, checked node for node
+            (see repeated_layers.py); False traces every layer.
         dynamic: the parallel module also accepts inputs of other sizes than ``input_fn()``'s,
             without planning again, when the plan divides them (see runtime/dynamic.py).
     """
@@ -70,6 +73,7 @@ class AutoParallel:
         relative_gap: float = 1e-4,
         fold: bool = True,
         dynamic: bool = False,
+        trace_layers_once: bool = True,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -86,6 +90,7 @@ class AutoParallel:
         self.topology = Topology.from_mesh(mesh, hardware=hardware, gpus_per_node=gpus_per_node)
         self.solver_options = SolverOptions(time_limit_s=time_limit_s, relative_gap=relative_gap)
         self.fold = fold
+        self.trace_layers_once = trace_layers_once
         self.dynamic = dynamic
         self.joint: JointGraph | None = None
         self._optimizer: ShardingOptimizer | None = None
@@ -95,7 +100,9 @@ class AutoParallel:
 
     def __enter__(self) -> "AutoParallel":
         device = trace_device(self.mesh.device_type)
-        self.joint = self._timed("trace", lambda: trace_joint(self.model, self.input_fn, device, self.mp_policy))
+        self.joint = self._timed(
+            "trace", lambda: trace_joint(self.model, self.input_fn, device, self.mp_policy, self.trace_layers_once)
+        )
         space = self._timed("strategies", lambda: build_strategy_space(self.joint, self.mesh))
         tables = self._timed("cost", lambda: build_cost_tables(self.joint, space, self.topology))
         folding = self._timed("fold", lambda: find_repeated_nodes(self.joint, space)) if self.fold else None

@@ -24,6 +24,15 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel.repeated_layers import (
+    CHECK_LAYERS,
+    TEMPLATE_LAYERS,
+    CannotRepeatLayers,
+    RepeatedLayers,
+    find_repeated_layers,
+    stamp_verified,
+    with_first_layers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -162,35 +171,88 @@ def trace_joint(
     input_fn: Callable[[], Any],
     device: torch.device,
     mp_policy: Any = None,
+    trace_layers_once: bool = True,
 ) -> JointGraph:
     """Trace ``model`` on the global inputs of ``input_fn`` into a :class:`JointGraph`.
 
     With a (checked) ``mp_policy`` the model is traced inside
     :class:`~autoparallel.mixed_precision.MixedPrecisionModule`, so the graph holds the
     precision casts; parameter names are still the model's own.
+
+    With ``trace_layers_once``, a model whose layers are identical modules is traced with
+    only 3 and 4 of them and the full graph is built from those (see repeated_layers.py);
+    where that cannot be verified, every layer is traced.
     """
-    fake_mode = internals.new_fake_mode()
     # input_fn runs under a fake mode of its own so that it allocates nothing even for huge
     # global inputs, yet may still read real tensors it closes over; only shapes are kept.
     with internals.new_fake_mode(allow_non_fake_inputs=True):
         raw_inputs = input_fn()
     args, kwargs = normalize_inputs(raw_inputs)
+    joint = None
+    if trace_layers_once:
+        layers = find_repeated_layers(model)
+        if layers is not None:
+            joint = _trace_layers_once(model, layers, args, kwargs, device, mp_policy)
+    if joint is None:
+        joint = _trace(model, args, kwargs, device, mp_policy)
+    joint.tied_params = _tied_parameter_groups(model)
+    return joint
+
+
+def _trace(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, mp_policy: Any) -> JointGraph:
+    fake_mode = internals.new_fake_mode()
     fake_args, fake_kwargs = _fake_inputs(args, kwargs, fake_mode, device)
     fake_model = _fake_copy_of_model(model, fake_mode, device)
-    name_prefix = ""
+    name_prefix = _name_prefix(mp_policy)
     if mp_policy is not None:
-        from autoparallel.mixed_precision import WRAPPED_PREFIX, MixedPrecisionModule
+        from autoparallel.mixed_precision import MixedPrecisionModule
 
-        fake_model, name_prefix = MixedPrecisionModule(fake_model, mp_policy), WRAPPED_PREFIX
+        fake_model = MixedPrecisionModule(fake_model, mp_policy)
 
     # The export's contexts only matter for compiling the graph; we read it and close them.
     with contextlib.ExitStack() as stack:
         export = internals.export_joint(stack, fake_model, fake_args, fake_kwargs)
-    graph_module = export.graph_module
     _, in_spec = tree_flatten((args, kwargs))
-    joint = _assign_roles(graph_module, fake_mode, in_spec, export.out_spec, device, name_prefix)
-    joint.tied_params = _tied_parameter_groups(model)
-    return joint
+    return _assign_roles(export.graph_module, fake_mode, in_spec, export.out_spec, device, name_prefix)
+
+
+def _name_prefix(mp_policy: Any) -> str:
+    if mp_policy is None:
+        return ""
+    from autoparallel.mixed_precision import WRAPPED_PREFIX
+
+    return WRAPPED_PREFIX
+
+
+def _trace_layers_once(
+    model: nn.Module, layers: RepeatedLayers, args: tuple, kwargs: dict, device: torch.device, mp_policy: Any
+) -> JointGraph | None:
+    """The full joint graph built from traces with 3 and 4 layers, or None (logged) when
+    those do not determine it."""
+    short_traces = []
+    for count in (TEMPLATE_LAYERS, CHECK_LAYERS):
+        try:
+            short = _trace(with_first_layers(model, layers, count), args, kwargs, device, mp_policy)
+        except Exception as exc:  # the model may not run with fewer layers: trace it whole
+            logger.info("tracing all %d layers of `%s`: with %d layers the model fails (%s)", layers.count, layers.path, count, exc)
+            return None
+        short_traces.append(short)
+    template, check = short_traces
+    try:
+        graph_module = stamp_verified(
+            template.graph_module, check.graph_module, layers, _name_prefix(mp_policy)
+        )
+    except CannotRepeatLayers as exc:
+        logger.info("tracing all %d layers of `%s`: %s", layers.count, layers.path, exc)
+        return None
+    logger.info(
+        "traced %d and %d of the %d identical layers of `%s` and repeated the checked layer for the rest",
+        TEMPLATE_LAYERS, CHECK_LAYERS, layers.count, layers.path,
+    )
+    _, in_spec = tree_flatten((args, kwargs))
+    return _assign_roles(
+        graph_module, template.fake_mode, in_spec, template.out_spec, device, _name_prefix(mp_policy)
+    )
 
 
 def _tied_parameter_groups(model: nn.Module) -> list[list[str]]:

@@ -23,6 +23,8 @@ from autoparallel.strategies.types import placement_str
 from autoparallel.testing import full_grads, full_params
 
 LLAMA = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512)
+# deep enough that its graph is built from 3- and 4-layer traces (repeated_layers.py)
+LLAMA_DEEP = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512, n_layers=6)
 STEPS = 3
 LR = 1e-3
 
@@ -31,6 +33,8 @@ def build(model_name: str, device: str = "meta") -> torch.nn.Module:
     with torch.device(device):
         if model_name == "mlp-constrained":  # hidden activation pinned replicated
             return MLP(64, 256, hidden_placements=(Replicate(),))
+        if model_name == "llama-deep":
+            return Llama(LLAMA_DEEP)
         return MLP(64, 256) if model_name == "mlp" else Llama(LLAMA)
 
 
@@ -78,6 +82,10 @@ def train(
     rank: int, world_size: int, model_name: str, shape: tuple[int, ...], kind: str, compiled: bool = False
 ) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", shape)
+    trace_logs: list[str] = []
+    trace_logger = logging.getLogger("autoparallel.trace")
+    trace_logger.setLevel(logging.INFO)
+    trace_logger.addHandler(_Records(trace_logs))
     plan, parallel = _plan_and_apply(model_name, mesh, kind)
     parallel.to_empty(device="cpu")
     parallel.init_weights(seed=0)
@@ -89,6 +97,7 @@ def train(
     compile_logger.addHandler(_Records(compiled_logs))
     reference_out = reference_model(model_name)(global_batches(model_name)[0]).detach()
     result: dict[str, Any] = {"losses": [], "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()}}
+    result["layers_traced_once"] = any("identical layers" in message for message in trace_logs)
     result["constrained"] = sorted(
         placement_str(n.strategy.output) for n in plan.nodes.values() if "sharding_constraint" in n.target
     )

@@ -53,6 +53,7 @@ def _max_error(a: dict, b: dict) -> float:
         ("mlp", (2, 2), "tp", False),
         ("llama", (2,), "fsdp", False),
         ("llama", (2, 2), "tp", False),
+        ("llama-deep", (2,), "fsdp", False),  # its graph is built from 3 and 4 traced layers
         # torch.compile(..., backend=autoparallel_backend(), fullgraph=True): Inductor's C++ path
         ("mlp", (2, 2), "tp", True),
         ("llama", (2,), "fsdp", True),
@@ -66,6 +67,7 @@ def test_parallel_training_matches_single_device(references, model_name, shape, 
     reference = references(model_name)
     rank0 = results[0]
     placements = rank0["param_placements"]
+    assert rank0["layers_traced_once"] == (model_name == "llama-deep")
     if model_name == "mlp-constrained":  # the hidden activation and its gradient, replicated
         assert rank0["constrained"] == ["R", "R"]
     elif kind == "ddp":

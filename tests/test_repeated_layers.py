@@ -1,0 +1,129 @@
+"""Tracing identical layers once: the built graph is the full trace, or we trace in full."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from autoparallel.models import Llama, llama_config
+from autoparallel.repeated_layers import find_repeated_layers, first_difference
+from autoparallel.trace import trace_joint
+
+CONFIG = llama_config("tiny", dim=64, ffn_hidden=128, vocab_size=128, n_layers=6)
+CPU = torch.device("cpu")
+
+
+def _tokens():
+    return torch.randint(0, CONFIG.vocab_size, (4, 16))
+
+
+def _deep_llama() -> nn.Module:
+    with torch.device("meta"):
+        return Llama(CONFIG)
+
+
+def _both_traces(model, input_fn, caplog, mp_policy=None):
+    with caplog.at_level(logging.INFO, logger="autoparallel.trace"):
+        once = trace_joint(model, input_fn, CPU, mp_policy)
+    full = trace_joint(model, input_fn, CPU, mp_policy, trace_layers_once=False)
+    return once, full
+
+
+@pytest.mark.parametrize("mp_policy", [None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)])
+def test_the_graph_built_from_three_layers_is_the_full_trace(caplog, mp_policy):
+    once, full = _both_traces(_deep_llama(), _tokens, caplog, mp_policy)
+    assert "traced 3 and 4 of the 6 identical layers of `layers`" in caplog.text
+    assert first_difference(once.graph, full.graph) is None
+    assert [n.name for n in once.graph.nodes] == [n.name for n in full.graph.nodes]
+    assert list(once.params) == list(full.params)
+    assert list(once.param_grads) == list(full.param_grads)
+    assert {n.name for n in once.forward_nodes} == {n.name for n in full.forward_nodes}
+    assert "layers.5.feed_forward.w2.weight" in once.param_grads
+
+
+def test_layers_with_a_different_setting_are_not_repeated():
+    model = _deep_llama()
+    assert find_repeated_layers(model).count == 6
+    model.layers[3].attention_norm.eps = 1e-3
+    assert find_repeated_layers(model) is None
+
+
+def test_layers_sharing_a_parameter_are_not_repeated():
+    model = _deep_llama()
+    model.layers[4].ffn_norm.weight = model.layers[0].ffn_norm.weight
+    assert find_repeated_layers(model) is None
+
+
+class _AlternatingStack(nn.Module):
+    """Identical layers, but the model's forward treats odd layers differently."""
+
+    def __init__(self, depth: int = 6, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            x = layer(x)
+            x = torch.relu(x) if index % 2 else torch.tanh(x)
+        return x
+
+
+class _SkipToFirstStack(nn.Module):
+    """Every layer adds the first layer's output (the first adds the input): the layers do
+    not read only their neighbour."""
+
+    def __init__(self, depth: int = 6, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        anchor = x
+        for index, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x)) + anchor
+            if index == 0:
+                anchor = x
+        return x
+
+
+class _CountedStack(nn.Module):
+    """Indexes its layers by a depth it keeps itself: it fails with fewer layers."""
+
+    def __init__(self, depth: int = 6, width: int = 8) -> None:
+        super().__init__()
+        self.depth = depth
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index in range(self.depth):
+            x = torch.relu(self.layers[index](x))
+        return x
+
+
+@pytest.mark.parametrize("model", [_AlternatingStack(), _SkipToFirstStack(), _CountedStack()])
+def test_a_model_the_short_traces_do_not_describe_is_traced_whole(caplog, model):
+    once, full = _both_traces(model, lambda: torch.randn(4, 8, requires_grad=True), caplog)
+    assert "tracing all 6 layers of `layers`" in caplog.text
+    assert first_difference(once.graph, full.graph) is None
+    assert len(once.params) == 12
+
+
+def test_the_check_sees_a_layer_reading_the_wrong_layer():
+    """The last line of defence: a copy wired to another layer's tensor of the same shape."""
+    joint = trace_joint(_deep_llama(), _tokens, CPU, trace_layers_once=False)
+    adds = [
+        n.name
+        for n in joint.graph.nodes
+        if n.target == torch.ops.aten.add.Tensor and n in joint.forward_nodes and n.meta["val"].shape == (4, 16, 64)
+    ]
+    rewired = copy.deepcopy(joint.graph_module)
+    by_name = {n.name: n for n in rewired.graph.nodes}
+    late, early = by_name[adds[-2]], by_name[adds[-6]]
+    assert late.args[0] is not early and late.args[0].meta["val"].shape == early.meta["val"].shape
+    late.args = (early, *late.args[1:])
+    difference = first_difference(rewired.graph, joint.graph)
+    assert difference is not None and late.name in difference and "different arguments" in difference
