@@ -79,23 +79,40 @@ class RepeatedLayers:
 
 
 def find_repeated_layers(model: nn.Module, min_layers: int = MIN_LAYERS) -> RepeatedLayers | None:
-    """The largest container of at least ``min_layers`` interchangeable layers, if any."""
+    """The largest container of at least ``min_layers`` interchangeable layers, if any.
+
+    A container of same-class layers that are not interchangeable is logged with the first
+    difference found (e.g. a per-layer ``layer_idx``), since it means every layer is traced.
+    """
     shared = _shared_parameter_ids(model)
     best: RepeatedLayers | None = None
     for path, container in model.named_modules():
         if not path or not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or len(container) < min_layers:
             continue
         children = list(container._modules.items())
-        if _has_hooks(container) or any(child is None for _, child in children):
+        if any(child is None for _, child in children) or len({type(child) for _, child in children}) > 1:
             continue
-        first = children[0][1]
-        if not all(_interchangeable(first, child) for _, child in children[1:]):
-            continue
-        if any(id(p) in shared for _, child in children for p in child.parameters()):
+        reason = _why_not_repeated(container, children, shared)
+        if reason is not None:
+            logger.info("the %d layers of `%s` are traced one by one: %s", len(children), path, reason)
             continue
         if best is None or len(children) > best.count:
             best = RepeatedLayers(path, tuple(key for key, _ in children))
     return best
+
+
+def _why_not_repeated(container: nn.Module, children: list[tuple[str, nn.Module]], shared: set[int]) -> str | None:
+    if _has_hooks(container):
+        return "the container has hooks"
+    first_key, first = children[0]
+    for key, child in children[1:]:
+        difference = _difference(first, child)
+        if difference is not None:
+            return f"layer {key} differs from layer {first_key}: {difference}"
+    for key, child in children:
+        if any(id(param) in shared for param in child.parameters()):
+            return f"layer {key} shares a parameter with another module"
+    return None
 
 
 def _shared_parameter_ids(model: nn.Module) -> set[int]:
@@ -110,25 +127,32 @@ def _has_hooks(module: nn.Module) -> bool:
     return any(_HOOK_DICT.match(key) and value for key, value in vars(module).items())
 
 
-def _interchangeable(a: nn.Module, b: nn.Module) -> bool:
+def _difference(a: nn.Module, b: nn.Module) -> str | None:
+    """The first thing that tells layer ``b`` from layer ``a`` (None if nothing does)."""
     modules_a, modules_b = list(a.named_modules()), list(b.named_modules())
     if [name for name, _ in modules_a] != [name for name, _ in modules_b]:
-        return False
-    return all(_same_module_state(x, y) for (_, x), (_, y) in zip(modules_a, modules_b))
+        return "different submodules"
+    for (name, x), (_, y) in zip(modules_a, modules_b):
+        where = name or "the layer"
+        if type(x) is not type(y):
+            return f"{where} is a {type(x).__name__} in one and a {type(y).__name__} in the other"
+        if _has_hooks(x) or _has_hooks(y):
+            return f"{where} has hooks"
+        if _tensor_layout(x._parameters) != _tensor_layout(y._parameters):
+            return f"{where} has other parameter shapes, dtypes or requires_grad"
+        if _tensor_layout(x._buffers) != _tensor_layout(y._buffers) or (
+            x._non_persistent_buffers_set != y._non_persistent_buffers_set
+        ):
+            return f"{where} has other buffers"
+        state_x, state_y = _plain_state(x), _plain_state(y)
+        for key in sorted(state_x.keys() | state_y.keys()):
+            if key not in state_x or key not in state_y or not _same_value(state_x[key], state_y[key]):
+                return f"`{name + '.' if name else ''}{key}` differs"
+    return None
 
 
-def _same_module_state(a: nn.Module, b: nn.Module) -> bool:
-    if type(a) is not type(b) or _has_hooks(a) or _has_hooks(b):
-        return False
-    if _tensor_layout(a._parameters) != _tensor_layout(b._parameters):
-        return False
-    if _tensor_layout(a._buffers) != _tensor_layout(b._buffers):
-        return False
-    if a._non_persistent_buffers_set != b._non_persistent_buffers_set:
-        return False
-    state_a = {k: v for k, v in vars(a).items() if k not in _MODULE_INTERNALS and not _HOOK_DICT.match(k)}
-    state_b = {k: v for k, v in vars(b).items() if k not in _MODULE_INTERNALS and not _HOOK_DICT.match(k)}
-    return state_a.keys() == state_b.keys() and all(_same_value(state_a[k], state_b[k]) for k in state_a)
+def _plain_state(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS and not _HOOK_DICT.match(k)}
 
 
 def _tensor_layout(tensors: dict[str, Any]) -> list[tuple]:

@@ -56,6 +56,8 @@ class JointGraph:
         in_spec / out_spec: pytree structure of the user's inputs ((args, kwargs)) and outputs.
         tied_params: groups of parameter names that are one tensor (tied embeddings); the
             graph has a placeholder per name, and the plan must give them one placement.
+        layers_traced_once: the container of identical layers whose graph was built from
+            3 and 4 traced layers (repeated_layers.py), or None if every layer was traced.
     """
 
     graph_module: fx.GraphModule
@@ -72,6 +74,7 @@ class JointGraph:
     out_spec: TreeSpec
     device: torch.device
     tied_params: list[list[str]] = field(default_factory=list)
+    layers_traced_once: RepeatedLayers | None = None
 
     @property
     def graph(self) -> fx.Graph:
@@ -250,9 +253,9 @@ def _trace_layers_once(
         TEMPLATE_LAYERS, CHECK_LAYERS, layers.count, layers.path,
     )
     _, in_spec = tree_flatten((args, kwargs))
-    return _assign_roles(
-        graph_module, template.fake_mode, in_spec, template.out_spec, device, _name_prefix(mp_policy)
-    )
+    joint = _assign_roles(graph_module, template.fake_mode, in_spec, template.out_spec, device, _name_prefix(mp_policy))
+    joint.layers_traced_once = layers
+    return joint
 
 
 def _tied_parameter_groups(model: nn.Module) -> list[list[str]]:

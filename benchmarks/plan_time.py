@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--no-fold", action="store_true", help="solve the unreduced problem")
+    parser.add_argument(
+        "--trace-all-layers", action="store_true", help="trace every layer instead of building the graph from 3 and 4"
+    )
     parser.add_argument("--time-limit", type=float, default=600.0, help="solver time limit, seconds")
     parser.add_argument("--no-lp-first", action="store_true", help="run the MIP without trying its LP relaxation first")
     parser.add_argument("--build-only", action="store_true", help="stop before solving (stage times and sizes only)")
@@ -65,6 +68,7 @@ def main() -> None:
         mesh,
         hardware=args.hardware,
         fold=not args.no_fold,
+        trace_layers_once=not args.trace_all_layers,
         time_limit_s=args.time_limit,
     ) as autop:
         autop.add_input_constraints([batch_sharded])
@@ -84,6 +88,7 @@ def main() -> None:
         "batch": args.batch,
         "seq": args.seq,
         "fold": not args.no_fold,
+        "layers_traced_once": problem.joint.layers_traced_once is not None,
         "trace_s": round(stages["trace"], 2),
         "strategies_s": round(stages["strategies"], 2),
         "cost_s": round(stages["cost"], 2),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -44,13 +43,16 @@ def test_the_graph_built_from_three_layers_is_the_full_trace(caplog, mp_policy):
     assert list(once.param_grads) == list(full.param_grads)
     assert {n.name for n in once.forward_nodes} == {n.name for n in full.forward_nodes}
     assert "layers.5.feed_forward.w2.weight" in once.param_grads
+    assert once.layers_traced_once.path == "layers" and full.layers_traced_once is None
 
 
-def test_layers_with_a_different_setting_are_not_repeated():
+def test_layers_with_a_different_setting_are_not_repeated(caplog):
     model = _deep_llama()
     assert find_repeated_layers(model).count == 6
     model.layers[3].attention_norm.eps = 1e-3
-    assert find_repeated_layers(model) is None
+    with caplog.at_level(logging.INFO, logger="autoparallel.repeated_layers"):
+        assert find_repeated_layers(model) is None
+    assert "layer 3 differs from layer 0: `attention_norm.eps` differs" in caplog.text
 
 
 def test_layers_sharing_a_parameter_are_not_repeated():
@@ -108,6 +110,7 @@ class _CountedStack(nn.Module):
 def test_a_model_the_short_traces_do_not_describe_is_traced_whole(caplog, model):
     once, full = _both_traces(model, lambda: torch.randn(4, 8, requires_grad=True), caplog)
     assert "tracing all 6 layers of `layers`" in caplog.text
+    assert once.layers_traced_once is None
     assert first_difference(once.graph, full.graph) is None
     assert len(once.params) == 12
 
@@ -120,10 +123,19 @@ def test_the_check_sees_a_layer_reading_the_wrong_layer():
         for n in joint.graph.nodes
         if n.target == torch.ops.aten.add.Tensor and n in joint.forward_nodes and n.meta["val"].shape == (4, 16, 64)
     ]
-    rewired = copy.deepcopy(joint.graph_module)
-    by_name = {n.name: n for n in rewired.graph.nodes}
+    rewired = trace_joint(_deep_llama(), _tokens, CPU, trace_layers_once=False).graph
+    by_name = {n.name: n for n in rewired.nodes}
     late, early = by_name[adds[-2]], by_name[adds[-6]]
     assert late.args[0] is not early and late.args[0].meta["val"].shape == early.meta["val"].shape
     late.args = (early, *late.args[1:])
-    difference = first_difference(rewired.graph, joint.graph)
+    difference = first_difference(rewired, joint.graph)
     assert difference is not None and late.name in difference and "different arguments" in difference
+
+
+def test_hugging_face_layers_numbered_by_layer_idx_are_traced_one_by_one(caplog):
+    """HF layers keep their own index (for the KV cache); nothing proves it is unused."""
+    from autoparallel.models.hf import hf_llama
+
+    with caplog.at_level(logging.INFO, logger="autoparallel.repeated_layers"):
+        assert find_repeated_layers(hf_llama(num_hidden_layers=6)) is None
+    assert "layer 1 differs from layer 0: `self_attn.layer_idx` differs" in caplog.text
