@@ -61,10 +61,17 @@ class CannotRepeatLayers(Exception):
 
 @dataclass(frozen=True)
 class RepeatedLayers:
-    """A container of identical layers: its path in the model and its children's names."""
+    """A container of identical layers: its path in the model and its children's names.
+
+    ``index_attributes`` are integer attributes that number the layers (Hugging Face's
+    ``self_attn.layer_idx``, kept for the KV cache). They are the only thing allowed to
+    differ; the short traces run with them replaced by :class:`UnreadLayerIndex`, so a
+    forward that reads them fails there and the model is traced layer by layer.
+    """
 
     path: str
     keys: tuple[str, ...]
+    index_attributes: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
@@ -92,27 +99,31 @@ def find_repeated_layers(model: nn.Module, min_layers: int = MIN_LAYERS) -> Repe
         children = list(container._modules.items())
         if any(child is None for _, child in children) or len({type(child) for _, child in children}) > 1:
             continue
-        reason = _why_not_repeated(container, children, shared)
+        reason, index_attributes = _why_not_repeated(container, children, shared)
         if reason is not None:
             logger.info("the %d layers of `%s` are traced one by one: %s", len(children), path, reason)
             continue
         if best is None or len(children) > best.count:
-            best = RepeatedLayers(path, tuple(key for key, _ in children))
+            best = RepeatedLayers(path, tuple(key for key, _ in children), tuple(sorted(index_attributes)))
     return best
 
 
-def _why_not_repeated(container: nn.Module, children: list[tuple[str, nn.Module]], shared: set[int]) -> str | None:
+def _why_not_repeated(
+    container: nn.Module, children: list[tuple[str, nn.Module]], shared: set[int]
+) -> tuple[str | None, set[str]]:
+    """(why the children are not interchangeable or None, their integer index attributes)."""
     if _has_hooks(container):
-        return "the container has hooks"
+        return "the container has hooks", set()
     first_key, first = children[0]
+    index_attributes: set[str] = set()
     for key, child in children[1:]:
-        difference = _difference(first, child)
+        difference = _difference(first, child, index_attributes)
         if difference is not None:
-            return f"layer {key} differs from layer {first_key}: {difference}"
+            return f"layer {key} differs from layer {first_key}: {difference}", set()
     for key, child in children:
         if any(id(param) in shared for param in child.parameters()):
-            return f"layer {key} shares a parameter with another module"
-    return None
+            return f"layer {key} shares a parameter with another module", set()
+    return None, index_attributes
 
 
 def _shared_parameter_ids(model: nn.Module) -> set[int]:
@@ -127,8 +138,12 @@ def _has_hooks(module: nn.Module) -> bool:
     return any(_HOOK_DICT.match(key) and value for key, value in vars(module).items())
 
 
-def _difference(a: nn.Module, b: nn.Module) -> str | None:
-    """The first thing that tells layer ``b`` from layer ``a`` (None if nothing does)."""
+def _difference(a: nn.Module, b: nn.Module, index_attributes: set[str]) -> str | None:
+    """The first thing that tells layer ``b`` from layer ``a`` (None if nothing does).
+
+    Integer attributes that differ are not a difference: they are added to
+    ``index_attributes`` (dotted paths inside the layer).
+    """
     modules_a, modules_b = list(a.named_modules()), list(b.named_modules())
     if [name for name, _ in modules_a] != [name for name, _ in modules_b]:
         return "different submodules"
@@ -146,8 +161,16 @@ def _difference(a: nn.Module, b: nn.Module) -> str | None:
             return f"{where} has other buffers"
         state_x, state_y = _plain_state(x), _plain_state(y)
         for key in sorted(state_x.keys() | state_y.keys()):
-            if key not in state_x or key not in state_y or not _same_value(state_x[key], state_y[key]):
-                return f"`{name + '.' if name else ''}{key}` differs"
+            path = f"{name}.{key}" if name else key
+            if key not in state_x or key not in state_y:
+                return f"`{path}` is set in one layer only"
+            value_x, value_y = state_x[key], state_y[key]
+            if _same_value(value_x, value_y):
+                continue
+            if type(value_x) is int and type(value_y) is int:
+                index_attributes.add(path)
+                continue
+            return f"`{path}` differs"
     return None
 
 
@@ -177,24 +200,68 @@ def _same_value(a: Any, b: Any) -> bool:
     return False
 
 
-def with_first_layers(model: nn.Module, layers: RepeatedLayers, count: int) -> nn.Module:
-    """A shallow copy of ``model`` whose container holds only its first ``count`` layers.
+class LayerIndexRead(RuntimeError):
+    """The model's forward read a layer-numbering attribute while being traced."""
 
-    Only the modules on the path to the container are copied; the user's model is untouched.
+
+class UnreadLayerIndex:
+    """Stands in for a layer's index attribute in the short traces: any use of its value
+    (comparison, arithmetic, hashing, indexing, formatting) raises :class:`LayerIndexRead`."""
+
+    def __init__(self, attribute: str) -> None:
+        object.__setattr__(self, "attribute", attribute)
+
+    def _read(self, *args: Any, **kwargs: Any) -> Any:
+        raise LayerIndexRead(f"the forward reads the layer index `{self.attribute}`")
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = __bool__ = _read
+    __int__ = __index__ = __float__ = __str__ = __format__ = __neg__ = __abs__ = _read
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __mod__ = __rmod__ = _read
+    __floordiv__ = __rfloordiv__ = __truediv__ = __rtruediv__ = __pow__ = __rpow__ = _read
+
+    def __repr__(self) -> str:
+        return f"<layer index {self.attribute}, not to be read while tracing>"
+
+    def __copy__(self) -> "UnreadLayerIndex":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "UnreadLayerIndex":
+        return self
+
+
+def with_first_layers(model: nn.Module, layers: RepeatedLayers, count: int) -> nn.Module:
+    """A shallow copy of ``model`` whose container holds only its first ``count`` layers,
+    their index attributes replaced by :class:`UnreadLayerIndex`.
+
+    Only the modules on the way to what changes are copied; the user's model is untouched.
     """
     container = model.get_submodule(layers.path)
-    kept = [(key, container._modules[key]) for key in layers.keys[:count]]
+    kept = [(key, _without_index(container._modules[key], layers.index_attributes)) for key in layers.keys[:count]]
     short = nn.ModuleDict(kept) if isinstance(container, nn.ModuleDict) else nn.ModuleList(m for _, m in kept)
     return _replace_submodule(model, layers.path.split("."), short)
+
+
+def _without_index(layer: nn.Module, index_attributes: tuple[str, ...]) -> nn.Module:
+    for attribute in index_attributes:
+        *module_path, name = attribute.split(".")
+        owner = _shallow_copy(layer.get_submodule(".".join(module_path)))
+        object.__setattr__(owner, name, UnreadLayerIndex(attribute))
+        layer = _replace_submodule(layer, module_path, owner)
+    return layer
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    copied = object.__new__(type(module))
+    copied.__dict__.update(module.__dict__)
+    copied._modules = dict(module._modules)
+    return copied
 
 
 def _replace_submodule(module: nn.Module, path: list[str], new: nn.Module) -> nn.Module:
     if not path:
         return new
     head, *rest = path
-    copied = object.__new__(type(module))
-    copied.__dict__.update(module.__dict__)
-    copied._modules = dict(module._modules)
+    copied = _shallow_copy(module)
     copied._modules[head] = _replace_submodule(module._modules[head], rest, new)
     return copied
 

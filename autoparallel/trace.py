@@ -28,6 +28,7 @@ from autoparallel.repeated_layers import (
     CHECK_LAYERS,
     TEMPLATE_LAYERS,
     CannotRepeatLayers,
+    LayerIndexRead,
     RepeatedLayers,
     find_repeated_layers,
     stamp_verified,
@@ -237,7 +238,7 @@ def _trace_layers_once(
         try:
             short = _trace(with_first_layers(model, layers, count), args, kwargs, device, mp_policy)
         except Exception as exc:  # the model may not run with fewer layers: trace it whole
-            logger.info("tracing all %d layers of `%s`: with %d layers the model fails (%s)", layers.count, layers.path, count, exc)
+            logger.info("tracing all %d layers of `%s`: %s", layers.count, layers.path, _short_trace_failure(exc, count))
             return None
         short_traces.append(short)
     template, check = short_traces
@@ -256,6 +257,15 @@ def _trace_layers_once(
     joint = _assign_roles(graph_module, template.fake_mode, in_spec, template.out_spec, device, _name_prefix(mp_policy))
     joint.layers_traced_once = layers
     return joint
+
+
+def _short_trace_failure(exc: BaseException, count: int) -> str:
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, LayerIndexRead):
+            return str(cause)
+        cause = cause.__cause__ or cause.__context__
+    return f"with {count} layers the model fails ({type(exc).__name__}: {exc})"
 
 
 def _tied_parameter_groups(model: nn.Module) -> list[list[str]]:

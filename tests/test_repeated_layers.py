@@ -132,10 +132,43 @@ def test_the_check_sees_a_layer_reading_the_wrong_layer():
     assert difference is not None and late.name in difference and "different arguments" in difference
 
 
-def test_hugging_face_layers_numbered_by_layer_idx_are_traced_one_by_one(caplog):
-    """HF layers keep their own index (for the KV cache); nothing proves it is unused."""
+def test_hugging_face_layers_numbered_by_layer_idx_are_traced_once(caplog):
+    """HF layers keep their own index for the KV cache; unread without a cache, so the
+    short traces run with it hidden and the graph is still the full trace."""
     from autoparallel.models.hf import hf_llama
 
-    with caplog.at_level(logging.INFO, logger="autoparallel.repeated_layers"):
-        assert find_repeated_layers(hf_llama(num_hidden_layers=6)) is None
-    assert "layer 1 differs from layer 0: `self_attn.layer_idx` differs" in caplog.text
+    model = hf_llama(num_hidden_layers=6)
+    assert find_repeated_layers(model).index_attributes == ("self_attn.layer_idx",)
+    once, full = _both_traces(model, lambda: torch.randint(0, 256, (2, 16)), caplog)
+    assert once.layers_traced_once is not None
+    assert first_difference(once.graph, full.graph) is None
+    assert model.model.model.layers[4].self_attn.layer_idx == 4  # the user's model is untouched
+
+
+class _IndexedLinear(nn.Linear):
+    """A layer whose forward uses its own number."""
+
+    def __init__(self, index: int, width: int = 8) -> None:
+        super().__init__(width, width)
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1 + self.index)
+
+
+class _IndexedStack(nn.Module):
+    def __init__(self, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_IndexedLinear(i) for i in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_forward_that_reads_its_layer_index_is_traced_whole(caplog):
+    once, full = _both_traces(_IndexedStack(), lambda: torch.randn(4, 8, requires_grad=True), caplog)
+    assert "the forward reads the layer index `index`" in caplog.text
+    assert once.layers_traced_once is None
+    assert first_difference(once.graph, full.graph) is None
