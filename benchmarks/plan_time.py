@@ -7,6 +7,7 @@ communicates (fake process group).
     python benchmarks/plan_time.py --model llama3-8b --mesh 8x8
     python benchmarks/plan_time.py --model llama3-70b --mesh 4x8x8 --layers 80
     python benchmarks/plan_time.py --model llama3-8b --mesh 4x8x8 --layers 2 --build-only
+    python benchmarks/plan_time.py --model hf-llama3-8b --mesh 8x8   # transformers' LlamaForCausalLM
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ from autoparallel import AutoParallel
 from autoparallel.models import Llama, llama_config
 
 
+def hf_llama_like(config, seq: int):
+    """Hugging Face's LlamaForCausalLM with the shapes of our LLaMA preset ``config``."""
+    from autoparallel.models.hf import hf_llama
+
+    return hf_llama(
+        num_hidden_layers=config.n_layers,
+        hidden_size=config.dim,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        intermediate_size=config.ffn_hidden,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=max(seq, config.max_seq_len),
+    )
+
+
 def unfolded_size(problem) -> tuple[int, int]:
     """(variables, constraints) the problem would have without folding, without building it."""
     space, tables = problem.space, problem.tables
@@ -37,7 +53,9 @@ def unfolded_size(problem) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama3-8b", help="llama3-8b, llama3-70b or tiny")
+    parser.add_argument(
+        "--model", default="llama3-8b", help="llama3-8b, llama3-70b or tiny; hf-llama3-8b etc. for Hugging Face's model"
+    )
     parser.add_argument("--mesh", default="8x8")
     parser.add_argument("--layers", type=int, default=None, help="default: the model's own depth")
     parser.add_argument("--batch", type=int, default=8)
@@ -56,9 +74,9 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
     mesh = init_device_mesh("cpu", shape)
     overrides = {} if args.layers is None else {"n_layers": args.layers}
-    config = llama_config(args.model, **overrides)
+    config = llama_config(args.model.removeprefix("hf-"), **overrides)
     with torch.device("meta"):
-        model = Llama(config)
+        model = hf_llama_like(config, args.seq) if args.model.startswith("hf-") else Llama(config)
     batch_sharded = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
 
     start = time.perf_counter()
