@@ -288,7 +288,7 @@ def test_cli_save_and_no_save_exclude_each_other(tmp_path: Path) -> None:
 def test_cli_help_mentions_layer_default() -> None:
     result = run_cli("plan", "--help", timeout=120)
     assert result.returncode == 0
-    assert "--layers" in result.stdout and "not fast yet" in result.stdout
+    assert "--layers" in result.stdout and "the model's own depth" in " ".join(result.stdout.split())
 
 
 def test_cli_without_get_json_writes_plan_subset(tmp_path: Path) -> None:

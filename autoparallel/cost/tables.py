@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.redistribution import PairPricer
 from autoparallel.cost.routes import RouteTable
+from autoparallel.fx_args import flat_args, map_args
 from autoparallel.shapes import TensorInfo, local_shape
 from autoparallel.strategies.types import NodeStrategies, OutputPlacements, StrategySpace, is_multi
 from autoparallel.topology import Topology
@@ -202,7 +202,7 @@ def _edge_routes(
 def _states(pricer: PairPricer, info: TensorInfo | None, options: list, cache: PriceCache) -> list[int] | None:
     """Route state of each option (one shared list per distinct option list); None if an
     option is not a state."""
-    key = (info, cache.canonical(options))
+    key = (id(pricer), cache.canonical(options))  # one pricer per TensorInfo, kept by the cache
     if key not in cache.states:
         states = [pricer.state_of(p) for p in options]
         cache.states[key] = None if None in states else states  # type: ignore[assignment]
@@ -239,7 +239,7 @@ def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCac
     if node_key in price_cache.compute:
         return price_cache.compute[node_key]
     mesh_shape = topology.mesh_shape
-    leaves, spec = tree_flatten((node.args, dict(node.kwargs)))
+    leaves = flat_args((node.args, dict(node.kwargs)))
     output_value = node.meta["val"]
     by_local_shapes: dict[tuple, float] = {}
     costs = []
@@ -254,7 +254,8 @@ def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCac
         output = _local_value(output_value, strategy.output, mesh_shape)
         shapes_key = (tuple(x for x in local_leaves if isinstance(x, (TensorInfo, tuple))), output)
         if shapes_key not in by_local_shapes:  # strategies with equal local shapes cost the same
-            args, kwargs = spec.unflatten(local_leaves)
+            local_of = iter(local_leaves)
+            args, kwargs = map_args(lambda _: next(local_of), (node.args, dict(node.kwargs)))
             by_local_shapes[shapes_key] = compute_cost_us(node.target, args, kwargs, output, topology.hardware)
         costs.append(by_local_shapes[shapes_key])
     price_cache.compute[node_key] = costs
@@ -274,7 +275,7 @@ def _shape_signature(args: Any) -> str:
             return None
         return arg
 
-    return repr(tree_map(describe, args))
+    return repr(map_args(describe, args))
 
 
 def _local_value(value: Any, placements: Any, mesh_shape: tuple[int, ...]) -> Any:

@@ -17,9 +17,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from autoparallel import _torch_internals as internals
+from autoparallel.fx_args import flat_args
 from autoparallel.strategies import view_rules
 from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
 
@@ -244,8 +245,7 @@ def _representative(node: fx.Node, mesh_ndim: int) -> tuple:
 
 
 def _tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
-    leaves, _ = tree_flatten((node.args, node.kwargs))
-    return [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+    return [leaf for leaf in flat_args((node.args, node.kwargs)) if isinstance(leaf, fx.Node)]
 
 
 def _placements_of(spec: Any) -> OutputPlacements | None:

@@ -22,8 +22,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate
-from torch.utils._pytree import tree_flatten, tree_map
 
+from autoparallel.fx_args import flat_args, map_args
 from autoparallel.strategies import rules
 from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_strategies
 from autoparallel.strategies.types import NodeStrategies, OutputPlacements, Strategy, StrategySpace, is_multi
@@ -61,8 +61,7 @@ def _has_tensor_value(node: fx.Node) -> bool:
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    leaves, _ = tree_flatten((node.args, node.kwargs))
-    return [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+    return [leaf for leaf in flat_args((node.args, node.kwargs)) if isinstance(leaf, fx.Node)]
 
 
 def _strategies_for(
@@ -130,7 +129,7 @@ def _question(node: fx.Node, options: dict[fx.Node, list[OutputPlacements]], ans
     out = node.meta["val"]
     out_meta = (tuple(out.shape), tuple(out.stride()), out.dtype) if isinstance(out, torch.Tensor) else repr(out)
     try:
-        return (node.target, repr(tree_map(describe, (node.args, dict(node.kwargs)))), out_meta)
+        return (node.target, repr(map_args(describe, (node.args, dict(node.kwargs)))), out_meta)
     except Exception:  # an argument without a stable repr: do not cache this node
         return object()
 
