@@ -86,12 +86,15 @@ class RepeatedLayers:
 
 
 def find_repeated_layers(model: nn.Module, min_layers: int = MIN_LAYERS) -> RepeatedLayers | None:
-    """The largest container of at least ``min_layers`` interchangeable layers, if any.
+    """The outermost container of at least ``min_layers`` interchangeable layers, if any.
 
-    A container of same-class layers that are not interchangeable is logged with the first
-    difference found (e.g. a per-layer ``layer_idx``), since it means every layer is traced.
+    Containers inside another stack of same-class layers (the experts of each MoE layer)
+    are not considered: repeating the outer stack is what saves the trace. Among several
+    outer stacks the longest wins. A stack whose layers are not interchangeable is logged
+    with the first difference found, since it means every layer is traced.
     """
     shared = _shared_parameter_ids(model)
+    stacks: list[str] = []
     best: RepeatedLayers | None = None
     for path, container in model.named_modules():
         if not path or not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or len(container) < min_layers:
@@ -99,6 +102,9 @@ def find_repeated_layers(model: nn.Module, min_layers: int = MIN_LAYERS) -> Repe
         children = list(container._modules.items())
         if any(child is None for _, child in children) or len({type(child) for _, child in children}) > 1:
             continue
+        if any(path.startswith(outer + ".") for outer in stacks):
+            continue
+        stacks.append(path)
         reason, index_attributes = _why_not_repeated(container, children, shared)
         if reason is not None:
             logger.info("the %d layers of `%s` are traced one by one: %s", len(children), path, reason)

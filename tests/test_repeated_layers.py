@@ -172,3 +172,16 @@ def test_a_forward_that_reads_its_layer_index_is_traced_whole(caplog):
     assert "the forward reads the layer index `index`" in caplog.text
     assert once.layers_traced_once is None
     assert first_difference(once.graph, full.graph) is None
+
+
+class _StackOfStacks(nn.Module):
+    """Six identical blocks, each holding eight identical experts: the blocks are repeated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(4, 4) for _ in range(8))}) for _ in range(6))
+
+
+def test_the_outer_stack_is_repeated_not_the_longer_inner_one():
+    found = find_repeated_layers(_StackOfStacks())
+    assert found.path == "blocks" and found.count == 6
