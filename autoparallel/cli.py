@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default with --out: next to the JSON, e.g. plan.json -> plan.npz)")
     saving.add_argument("--no-save", action="store_true",
                         help="with --out, do not save the problem (explain --placement/--costs then cannot run)")
+    plan.add_argument("--trace-all-layers", action="store_true",
+                      help="trace every layer instead of building identical layers' graph from 3 and 4 traced ones")
     plan.add_argument("--verbose", action="store_true", help="log every node's decision")
     cli_saved.add_commands(commands)
     return parser
@@ -135,6 +137,7 @@ class PlanRequest:
     save: Path | None = None
     param_dtype: str | None = None  # a key of DTYPES
     reduce_dtype: str | None = None
+    trace_all_layers: bool = False
 
     def mp_policy(self) -> Any:
         """torch's MixedPrecisionPolicy for the dtype flags, or None without them."""
@@ -216,7 +219,7 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         raise UsageError("--reduce-dtype needs --param-dtype (the dtype the model computes in)")
     return PlanRequest(model, shape, names, args.batch, args.seq, hardware, args.gpus_per_node, layers,
                        parse_memory_budget(args.memory_budget), args.out, args.html, args.verbose, save,
-                       args.param_dtype, args.reduce_dtype)
+                       args.param_dtype, args.reduce_dtype, args.trace_all_layers)
 
 
 def default_problem_path(out: Path | None) -> Path | None:
@@ -324,7 +327,13 @@ def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
         mesh = init_device_mesh("cpu", request.mesh_shape, mesh_dim_names=request.mesh_names)
         start = time.perf_counter()
         with AutoParallel(
-            model, input_fn, mesh, request.mp_policy(), hardware=request.hardware, gpus_per_node=request.gpus_per_node
+            model,
+            input_fn,
+            mesh,
+            request.mp_policy(),
+            hardware=request.hardware,
+            gpus_per_node=request.gpus_per_node,
+            trace_layers_once=not request.trace_all_layers,
         ) as autop:
             joint = autop.sharding_optimizer.problem.joint
             ndim = len(request.mesh_shape)
@@ -341,6 +350,8 @@ def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
                 autop.sharding_optimizer.save(str(request.save))
             data = plan_data(autop, plan)
         data["run"] = _run_info(request, _depth(request, model), autop.stage_times_s, elapsed)
+        traced_once = autop.joint.layers_traced_once if autop.joint is not None else None
+        data["run"]["layers_traced_once"] = traced_once.path if traced_once is not None else None
         return data, plan
     finally:
         dist.destroy_process_group()

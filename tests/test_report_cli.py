@@ -242,6 +242,16 @@ def test_cli_plans_tiny_model(tmp_path: Path) -> None:
     assert "layers.0-1." in result.stdout or "layers.0." in result.stdout
 
 
+def test_cli_says_when_identical_layers_were_traced_once(tmp_path: Path) -> None:
+    for flags, expected in (([], "layers"), (["--trace-all-layers"], None)):
+        out = tmp_path / "p.json"
+        result = run_cli("plan", "--model", "tiny", "--layers", "6", "--mesh", "2", "--batch", "8", "--seq", "32",
+                         "--no-save", "--out", str(out), *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        run = json.loads(out.read_text())["run"]
+        assert run["layers"] == 6 and run["layers_traced_once"] == expected
+
+
 def test_cli_plans_in_mixed_precision(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     result = run_cli("plan", "--model", "tiny", "--mesh", "2", "--batch", "8", "--seq", "32",

@@ -99,6 +99,8 @@ def _header(data: Mapping[str, Any]) -> str:
     if isinstance(run, Mapping):
         if run.get("layers") is not None:
             facts.append(("layers planned", run["layers"]))
+        if run.get("layers_traced_once"):
+            facts.append(("traced", f"3 and 4 layers of `{run['layers_traced_once']}`; the rest repeated from them"))
         if run.get("batch") is not None:
             facts.append(("global inputs", f"batch {run['batch']} x seq {run.get('seq', '-')}"))
         if run.get("memory_budget") is not None:
