@@ -28,6 +28,7 @@ catch; ``AutoParallel(..., trace_layers_once=False)`` traces every layer.
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 import logging
 import re
@@ -203,6 +204,8 @@ def _same_value(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, functools.partial):  # e.g. an activation made per layer: partial(gelu, ...)
+        return a.func is b.func and _same_value(a.args, b.args) and _same_value(a.keywords, b.keywords)
     return False
 
 

@@ -249,6 +249,12 @@ def _trace_layers_once(
     except CannotRepeatLayers as exc:
         logger.info("tracing all %d layers of `%s`: %s", layers.count, layers.path, exc)
         return None
+    except Exception as exc:  # a case stamping does not handle must never stop planning
+        logger.warning(
+            "tracing all %d layers of `%s`: building their graph from 3 and 4 traced layers failed (%s: %s)",
+            layers.count, layers.path, type(exc).__name__, exc,
+        )
+        return None
     logger.info(
         "traced %d and %d of the %d identical layers of `%s` and repeated the checked layer for the rest",
         TEMPLATE_LAYERS, CHECK_LAYERS, layers.count, layers.path,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -185,3 +186,21 @@ class _StackOfStacks(nn.Module):
 def test_the_outer_stack_is_repeated_not_the_longer_inner_one():
     found = find_repeated_layers(_StackOfStacks())
     assert found.path == "blocks" and found.count == 6
+
+
+class _PartialActivation(nn.Module):
+    """Builds its activation per instance, as Hugging Face's GELUTanh does."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.act = functools.partial(nn.functional.gelu, approximate=approximate)
+        self.linear = nn.Linear(4, 4)
+
+
+def test_equal_partials_count_as_equal_settings_and_different_ones_do_not():
+    same = nn.Module()
+    same.layers = nn.ModuleList(_PartialActivation() for _ in range(6))
+    assert find_repeated_layers(same).count == 6
+    different = nn.Module()
+    different.layers = nn.ModuleList(_PartialActivation("none" if i == 2 else "tanh") for i in range(6))
+    assert find_repeated_layers(different) is None
