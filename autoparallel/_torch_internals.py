@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import torch
+import torch.distributed._functional_collectives as _funcol
 import torch.nn as nn
 from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
@@ -53,10 +54,28 @@ __all__ = [
     "nonstrict_trace",
     "register_pytree_constant",
     "lookup_compile_backend",
+    "all_reduce_sum",
+    "reduce_scatter_sum",
 ]
 
 
 # ---------------------------------------------------------------------------- tracing
+
+
+# ---------------------------------------------------------------------------- collectives
+# torch's functional collectives (what DTensor itself emits) live in a private module; the
+# runtime's coalesced gradient reductions call them directly (runtime/coalesce.py).
+
+
+def all_reduce_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """Sum of ``tensor`` over the ranks of ``mesh_dim``, waited on."""
+    return _funcol.wait_tensor(_funcol.all_reduce(tensor, "sum", (mesh, mesh_dim)))
+
+
+def reduce_scatter_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """This rank's block of the sum of ``tensor`` over the ranks of ``mesh_dim``, where
+    rank r (its coordinate along ``mesh_dim``) gets the r-th of equal blocks along dim 0."""
+    return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(tensor, "sum", 0, (mesh, mesh_dim)))
 
 
 def new_fake_mode(allow_non_fake_inputs: bool = False) -> FakeTensorMode:

@@ -286,3 +286,30 @@ def route_is_executed(rank: int, world_size: int) -> dict[str, Any]:
         "comms": counts,
         "error": (result.to_local() - exact).abs().max().item(),
     }
+
+
+def gradients_reduced_together(rank: int, world_size: int) -> dict[str, Any]:
+    """Pending sums moved to R, S(0) and S(1) on a 1-D mesh: the coalescable ones (same
+    target, even shards) share one collective, and every result equals DTensor's own
+    redistribute of that tensor alone."""
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autoparallel.runtime.coalesce import reduce_gradients
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(rank)
+    cases = [((3, 5), Replicate()), ((7,), Replicate()), ((4, 6), Shard(0)), ((8,), Shard(0)),
+             ((2, 6), Shard(1)), ((3, 2), Shard(0))]  # the last does not divide evenly
+    values = [DTensor.from_local(torch.randn(shape), mesh, (Partial(),)) for shape, _ in cases]
+    targets = [(target,) for _, target in cases]
+    expected = [value.redistribute(mesh, target).to_local() for value, target in zip(values, targets)]
+    with CommDebugMode() as comms:
+        coalescable = reduce_gradients(values[:4], [()] * 4, targets[:4], mesh)
+    everything = reduce_gradients(values, [()] * len(values), targets, mesh)
+    return {
+        "comms": {str(op): count for op, count in comms.get_comm_counts().items()},
+        "error": max((got - want).abs().max().item() for got, want in zip(everything, expected)),
+        "coalescable_error": max((got - want).abs().max().item() for got, want in zip(coalescable, expected)),
+        "shapes_match": all(got.shape == want.shape for got, want in zip(everything, expected)),
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from runtime_cases import (
+    gradients_reduced_together,
     route_is_executed,
     LR,
     STEPS,
@@ -130,3 +131,14 @@ def test_the_runtime_follows_the_planned_route():
         assert sorted(result["comms"].values()) == [1, 1]
         assert any("all_reduce" in op for op in result["comms"]) and any("all_gather" in op for op in result["comms"])
         assert result["error"] < 1e-5
+
+
+def test_parameter_gradients_are_reduced_together():
+    """Two pending sums bound for R share one all-reduce, two bound for S(0) one
+    reduce-scatter; S(1) and an uneven shard keep their own; all equal DTensor's result."""
+    for result in run_distributed(gradients_reduced_together, 2, timeout_s=240):
+        assert sorted(result["comms"].values()) == [1, 1], result["comms"]
+        assert any("all_reduce" in op for op in result["comms"])
+        assert any("reduce_scatter" in op for op in result["comms"])
+        assert result["shapes_match"]
+        assert result["error"] < 1e-6 and result["coalescable_error"] < 1e-6

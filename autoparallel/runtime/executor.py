@@ -104,8 +104,11 @@ class JointExecutor:
     def leave(self, value: DTensor, consumer: fx.Node, kind: str, placements: Sequence) -> torch.Tensor:
         """The local tensor of ``value`` once it has followed the planned boundary route
         (``kind`` "param_grad", "input_grad" or "output") into ``consumer``'s placements."""
-        route = self.boundary_routes.get((consumer.name, kind), ())
-        return redistribute_along(value, route, placements).to_local()
+        return redistribute_along(value, self.boundary_route(consumer, kind), placements).to_local()
+
+    def boundary_route(self, consumer: fx.Node, kind: str) -> tuple:
+        """The placements in between of the planned boundary move into ``consumer``."""
+        return self.boundary_routes.get((consumer.name, kind), ())
 
     def _evaluate(self, program: NodeProgram, env: dict[fx.Node, Any]) -> Any:
         node = program.node

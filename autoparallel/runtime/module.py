@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel.runtime.coalesce import reduce_gradients
 from autoparallel.runtime.dynamic import ShapeVariants
 from autoparallel.runtime.executor import JointExecutor
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
@@ -242,10 +243,12 @@ class _Runtime:
                 env[tangent] = DTensor.from_local(grad.contiguous(), mesh, plan.output_placements[index], run_check=False)
         self.executor.run(env, self.executor.backward_order)
         leave = self.executor.leave
-        grads = [
-            leave(env[joint.param_grads[name]], joint.params[name], "param_grad", plan.param_placements[name])
-            for name in self.params_with_grad
-        ]
+        grads = reduce_gradients(
+            [env[joint.param_grads[name]] for name in self.params_with_grad],
+            [self.executor.boundary_route(joint.params[name], "param_grad") for name in self.params_with_grad],
+            [plan.param_placements[name] for name in self.params_with_grad],
+            mesh,
+        )
         grads += [
             leave(env[joint.input_grads[i]], joint.user_inputs[i], "input_grad", plan.input_placements[i])
             for i in self.inputs_with_grad
