@@ -54,6 +54,7 @@ __all__ = [
     "nonstrict_trace",
     "register_pytree_constant",
     "lookup_compile_backend",
+    "all_gather_rows",
     "all_reduce_sum",
     "reduce_scatter_sum",
 ]
@@ -70,6 +71,11 @@ __all__ = [
 def all_reduce_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """Sum of ``tensor`` over the ranks of ``mesh_dim``, waited on."""
     return _funcol.wait_tensor(_funcol.all_reduce(tensor, "sum", (mesh, mesh_dim)))
+
+
+def all_gather_rows(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """Every rank's ``tensor`` of ``mesh_dim`` stacked along dim 0 in rank order, waited on."""
+    return _funcol.wait_tensor(_funcol.all_gather_tensor(tensor, 0, (mesh, mesh_dim)))
 
 
 def reduce_scatter_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:

@@ -313,3 +313,36 @@ def gradients_reduced_together(rank: int, world_size: int) -> dict[str, Any]:
         "coalescable_error": max((got - want).abs().max().item() for got, want in zip(coalescable, expected)),
         "shapes_match": all(got.shape == want.shape for got, want in zip(everything, expected)),
     }
+
+
+def parameters_gathered_by_layer(rank: int, world_size: int) -> dict[str, Any]:
+    """Sharded parameters read replicated: one all-gather per numbered layer, each result
+    equal to the full tensor; an unevenly sharded one is left to DTensor."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autoparallel.runtime.param_gathers import GatherPlan, ParameterGathers, plan_gather
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)  # the same full tensors on every rank
+    specs = {"layers.0.a": ((4, 6), Shard(0)), "layers.0.b": ((6, 4), Shard(1)), "layers.1.a": ((4, 6), Shard(0)),
+             "layers.1.b": ((6, 4), Shard(1)), "norm": ((8,), Shard(0)), "odd": ((3, 2), Shard(0))}
+    full = {name: torch.randn(shape) for name, (shape, _) in specs.items()}
+    env = {name: distribute_tensor(full[name], mesh, (placement,)) for name, (_, placement) in specs.items()}
+    wanted = (Replicate(),)
+    groups = {
+        (name, wanted): plan_gather(name, (placement,), wanted, shape, torch.float32, (world_size,))
+        for name, (shape, placement) in specs.items()
+    }
+    plan = GatherPlan({k: g for k, g in groups.items() if g is not None}, {k: 1 for k, g in groups.items() if g is not None})
+    gathers = ParameterGathers(plan, mesh)
+    with CommDebugMode() as comms:
+        gathered = {name: gathers.take(name, wanted, env) for name, _ in plan.group_of}
+    return {
+        "groups": sorted({g.layer for g in plan.group_of.values()}),
+        "uneven_planned": groups[("odd", wanted)] is not None,
+        "all_gathers": sum(n for op, n in comms.get_comm_counts().items() if "all_gather" in str(op)),
+        "error": max((gathered[name].to_local() - full[name]).abs().max().item() for name in gathered),
+        "placements": sorted({str(tuple(value.placements)) for value in gathered.values()}),
+        "released": not gathers.ready,
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from runtime_cases import (
+    parameters_gathered_by_layer,
     gradients_reduced_together,
     route_is_executed,
     LR,
@@ -142,3 +143,16 @@ def test_parameter_gradients_are_reduced_together():
         assert any("reduce_scatter" in op for op in result["comms"])
         assert result["shapes_match"]
         assert result["error"] < 1e-6 and result["coalescable_error"] < 1e-6
+
+
+def test_parameters_are_gathered_a_layer_at_a_time():
+    """Two layers of two sharded parameters each and a root parameter: three all-gathers for
+    five parameters (one per layer, the root alone), each value the full tensor, and nothing
+    kept after its last read. The unevenly sharded one is not planned for coalescing."""
+    for result in run_distributed(parameters_gathered_by_layer, 2, timeout_s=240):
+        assert result["groups"] == ["", "layers.0.", "layers.1."]
+        assert not result["uneven_planned"]
+        assert result["all_gathers"] == 3
+        assert result["error"] == 0.0
+        assert result["placements"] == ["(Replicate(),)"]
+        assert result["released"]

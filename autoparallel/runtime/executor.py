@@ -30,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
+from autoparallel.fx_args import flat_args
+from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
 from autoparallel.sharding_constraint import sharding_constraint_op
 from autoparallel.solver.plan import Plan
 from autoparallel.strategies.types import is_multi
@@ -83,6 +85,39 @@ class JointExecutor:
         } | {g for g in list(joint.param_grads.values()) + list(joint.input_grads.values()) if g not in backward_set}
         self.saved_for_backward -= set(joint.tangents.values())
         self.inference_order = self._needed_for_outputs()
+        self.gather_plans = {
+            id(order): self._plan_gathers(order) for order in (self.forward_order, self.backward_order, self.inference_order)
+        }
+
+    def _plan_gathers(self, order: Sequence[fx.Node]) -> GatherPlan:
+        """Which parameter reads of ``order`` are gathered a layer at a time (param_gathers.py)."""
+        names = self.joint.param_name_of()
+        mesh_shape = tuple(self.mesh.shape)
+        group_of: dict[tuple, Gather] = {}
+        reads: dict[tuple, int] = {}
+        for node in order:
+            program = self.programs[node]
+            inputs = [leaf for leaf in flat_args((node.args, node.kwargs)) if isinstance(leaf, fx.Node)]
+            for slot, producer in enumerate(inputs):
+                wanted = program.input_placements.get(slot)
+                name = names.get(producer)
+                if name is None or wanted is None or is_multi(wanted) or program.input_routes.get(slot):
+                    continue
+                value = producer.meta["val"]
+                group = plan_gather(
+                    name, tuple(self.plan.param_placements[name]), tuple(wanted), tuple(value.shape), value.dtype, mesh_shape
+                )
+                if group is not None:
+                    key = (producer, tuple(wanted))
+                    group_of[key] = group
+                    reads[key] = reads.get(key, 0) + 1
+        sizes: dict[Gather, int] = {}
+        for group in group_of.values():
+            sizes[group] = sizes.get(group, 0) + 1
+        alone = {key for key, group in group_of.items() if sizes[group] == 1}  # nothing to coalesce
+        return GatherPlan(
+            {k: g for k, g in group_of.items() if k not in alone}, {k: n for k, n in reads.items() if k not in alone}
+        )
 
     def _needed_for_outputs(self) -> list[fx.Node]:
         needed: set[fx.Node] = set()
@@ -98,8 +133,10 @@ class JointExecutor:
     # ------------------------------------------------------------------ phases
 
     def run(self, env: dict[fx.Node, Any], order: Sequence[fx.Node]) -> None:
+        plan = self.gather_plans.get(id(order))
+        gathers = ParameterGathers(plan, self.mesh) if plan is not None and plan.group_of else None
         for node in order:
-            env[node] = self._evaluate(self.programs[node], env)
+            env[node] = self._evaluate(self.programs[node], env, gathers)
 
     def leave(self, value: DTensor, consumer: fx.Node, kind: str, placements: Sequence) -> torch.Tensor:
         """The local tensor of ``value`` once it has followed the planned boundary route
@@ -110,7 +147,7 @@ class JointExecutor:
         """The placements in between of the planned boundary move into ``consumer``."""
         return self.boundary_routes.get((consumer.name, kind), ())
 
-    def _evaluate(self, program: NodeProgram, env: dict[fx.Node, Any]) -> Any:
+    def _evaluate(self, program: NodeProgram, env: dict[fx.Node, Any], gathers: ParameterGathers | None = None) -> Any:
         node = program.node
         if node.target is operator.getitem:
             producer, index = node.args
@@ -123,6 +160,9 @@ class JointExecutor:
             slot = next(slot_counter)
             value = env[arg]
             wanted = program.input_placements.get(slot)
+            if gathers is not None and wanted is not None and not is_multi(wanted):
+                gathered = gathers.take(arg, tuple(wanted), env)
+                value = value if gathered is None else gathered
             if isinstance(value, DTensor) and wanted is not None and not is_multi(wanted):
                 value = redistribute_along(value, program.input_routes.get(slot, ()), wanted)
             return value.to_local() if program.run_locally and isinstance(value, DTensor) else value

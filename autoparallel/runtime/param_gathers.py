@@ -1,0 +1,113 @@
+"""Parameter all-gathers done a layer at a time: one collective per layer, mesh dim and dtype.
+
+A plan that shards parameters (FSDP-like) all-gathers each one where an op first reads it
+replicated, one collective per parameter and per phase. FSDP instead gathers a whole layer's
+parameters in one collective. Here, within one run of a phase, every parameter read whose
+planned move is one all-gather (Shard -> Replicate on one mesh dim, evenly divided, no route
+in between) joins the group of its numbered layer (``layers.3.``), mesh dim and dtype; the
+first read of any member gathers the whole group in one flat collective, and each gathered
+value is dropped after the phase's last read of it. Memory: one layer's parameters are
+unsharded at a time, as with FSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autoparallel import _torch_internals as internals
+
+def layer_of(name: str) -> str:
+    """The numbered layer a parameter belongs to (``layers.3.attention.wq.weight`` ->
+    ``layers.3.``), or ``""`` for one outside numbered layers."""
+    parts = name.split(".")
+    for index in range(len(parts) - 2, -1, -1):
+        if parts[index].isdigit():
+            return ".".join(parts[: index + 1]) + "."
+    return ""
+
+
+@dataclass(frozen=True)
+class Gather:
+    """What parameter all-gathers done in one collective share."""
+
+    layer: str
+    mesh_dim: int
+    dtype: torch.dtype
+
+
+@dataclass
+class GatherPlan:
+    """For one phase: which (parameter, wanted placements) are gathered with their layer,
+    and how many times the phase reads each (so a gathered value is dropped after its last
+    read, as FSDP frees a layer's unsharded parameters)."""
+
+    group_of: dict[tuple, Gather]
+    reads: dict[tuple, int]
+
+    def members(self, group: Gather) -> list[tuple]:
+        return [key for key, found in self.group_of.items() if found == group]
+
+
+def plan_gather(param_name: str, source: tuple, wanted: tuple, shape: tuple, dtype: torch.dtype, mesh_shape: tuple) -> Gather | None:
+    """The group of a parameter read in ``wanted`` placements, when the move from its own
+    ``source`` placements is one all-gather (Shard -> Replicate on one mesh dim) of evenly
+    divided shards; None otherwise."""
+    changed = [dim for dim, (src, dst) in enumerate(zip(source, wanted)) if src != dst]
+    if len(changed) != 1:
+        return None
+    mesh_dim = changed[0]
+    src, dst = source[mesh_dim], wanted[mesh_dim]
+    if type(src) is not Shard or not isinstance(dst, Replicate) or src.dim >= len(shape):
+        return None
+    size = shape[src.dim]
+    for other, placement in enumerate(source):
+        if other != mesh_dim and type(placement) is Shard and placement.dim == src.dim:
+            if size % mesh_shape[other]:
+                return None
+            size //= mesh_shape[other]
+    if size % mesh_shape[mesh_dim]:
+        return None
+    return Gather(layer_of(param_name), mesh_dim, dtype)
+
+
+class ParameterGathers:
+    """The parameter all-gathers of one run of a phase, one collective per group, issued at
+    the first read of any member."""
+
+    def __init__(self, plan: GatherPlan, mesh: DeviceMesh):
+        self.plan = plan
+        self.mesh = mesh
+        self.reads_left = dict(plan.reads)
+        self.ready: dict[tuple, DTensor] = {}
+
+    def take(self, node: object, wanted: tuple, env: dict) -> DTensor | None:
+        """``node``'s value in ``wanted`` placements if its group handles it, else None."""
+        key = (node, wanted)
+        group = self.plan.group_of.get(key)
+        if group is None:
+            return None
+        if key not in self.ready:
+            self._gather(group, env)
+        value = self.ready[key]
+        self.reads_left[key] -= 1
+        if self.reads_left[key] == 0:
+            del self.ready[key]
+        return value
+
+    def _gather(self, group: Gather, env: dict) -> None:
+        members = self.plan.members(group)
+        values = [env[node] for node, _ in members]
+        tensors = [value.to_local() for value in values]
+        ranks = self.mesh.size(group.mesh_dim)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        rows = internals.all_gather_rows(flat, self.mesh, group.mesh_dim).view(ranks, -1)
+        offset = 0
+        for (node, wanted), value, tensor in zip(members, values, tensors):
+            shard_dim = value.placements[group.mesh_dim].dim
+            pieces = [rows[rank, offset : offset + tensor.numel()].view(tensor.shape) for rank in range(ranks)]
+            offset += tensor.numel()
+            self.ready[(node, wanted)] = DTensor.from_local(torch.cat(pieces, dim=shard_dim), self.mesh, wanted, run_check=False)
