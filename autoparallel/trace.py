@@ -24,16 +24,8 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from autoparallel import _torch_internals as internals
-from autoparallel.repeated_layers import (
-    CHECK_LAYERS,
-    TEMPLATE_LAYERS,
-    CannotRepeatLayers,
-    LayerIndexRead,
-    RepeatedLayers,
-    find_repeated_layers,
-    stamp_verified,
-    with_first_layers,
-)
+from autoparallel.layer_stamping import CHECK_LAYERS, TEMPLATE_LAYERS, CannotRepeatLayers, stamp_verified
+from autoparallel.repeated_layers import LayerIndexRead, RepeatedLayers, find_repeated_layers, with_first_layers
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +176,8 @@ def trace_joint(
     precision casts; parameter names are still the model's own.
 
     With ``trace_layers_once``, a model whose layers are identical modules is traced with
-    only 3 and 4 of them and the full graph is built from those (see repeated_layers.py);
-    where that cannot be verified, every layer is traced.
+    only 3 and 4 of them and the full graph is built from those (repeated_layers.py,
+    layer_stamping.py); where that cannot be verified, every layer is traced.
     """
     # input_fn runs under a fake mode of its own so that it allocates nothing even for huge
     # global inputs, yet may still read real tensors it closes over; only shapes are kept.

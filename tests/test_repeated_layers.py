@@ -11,7 +11,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoparallel.models import Llama, llama_config
-from autoparallel.repeated_layers import find_repeated_layers, first_difference
+from autoparallel.layer_stamping import first_difference
+from autoparallel.repeated_layers import find_repeated_layers
 from autoparallel.trace import trace_joint
 
 CONFIG = llama_config("tiny", dim=64, ffn_hidden=128, vocab_size=128, n_layers=6)
