@@ -113,7 +113,7 @@ def describe_input(desc: Any) -> tuple[str, Any]:
 def retarget_descriptor(desc: Any, old_prefix: str, new_prefix: str) -> Any:
     """``desc`` with a parameter/buffer name starting ``old_prefix`` moved to ``new_prefix``.
 
-    Used when one traced layer's nodes are repeated for another layer (repeated_layers.py):
+    Used when one traced layer's nodes are repeated for another layer (layer_stamping.py):
     the copy's inputs and gradients must name that layer's parameters. Descriptors of
     anything else come back unchanged.
     """

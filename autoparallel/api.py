@@ -55,7 +55,7 @@ class AutoParallel:
         fold: let repeated layers share decision variables (see solver/folding.py).
         trace_layers_once: when the model's layers are identical modules, trace it with 3
             and 4 layers and build the full graph from those, checked node for node
-            (see repeated_layers.py); False traces every layer.
+            (see repeated_layers.py, layer_stamping.py); False traces every layer.
         dynamic: the parallel module also accepts inputs of other sizes than ``input_fn()``'s,
             without planning again, when the plan divides them (see runtime/dynamic.py).
     """
