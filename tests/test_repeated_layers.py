@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from autoparallel.models import Llama, llama_config
 from autoparallel.layer_stamping import first_difference
+from autoparallel.models import Llama, llama_config
 from autoparallel.repeated_layers import find_repeated_layers
 from autoparallel.trace import trace_joint
 
