@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch.fx as fx
+
 
 def flat_args(value: Any) -> list[Any]:
     """The leaves of ``value`` (nested tuples, lists and dict values), left to right."""
@@ -29,6 +31,12 @@ def _collect(value: Any, leaves: list[Any]) -> None:
             _collect(item, leaves)
     else:
         leaves.append(value)
+
+
+def tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
+    """The nodes among ``node``'s arguments, in flatten order and with repeats: one per input
+    slot, as the strategies and the plan number them."""
+    return [leaf for leaf in flat_args((node.args, node.kwargs)) if isinstance(leaf, fx.Node)]
 
 
 def map_args(function: Callable[[Any], Any], value: Any) -> Any:

@@ -224,7 +224,7 @@ def stamp_layers(
             for offset in range(region.length):
                 node = calls[region.start + block * region.length + offset]
                 labels[node] = _Label(kind, region.layer_of_block(block), offset)
-    return _Stamper(graph, labels, descending, prefixes, n_layers).run(template)
+    return _Stamper(template, labels, descending, prefixes, n_layers).run()
 
 
 class _Stamper:
@@ -233,13 +233,14 @@ class _Stamper:
 
     def __init__(
         self,
-        graph: fx.Graph,
+        template: fx.GraphModule,
         labels: dict[fx.Node, _Label],
         descending: dict[str, bool],
         prefixes: list[str],
         n_layers: int,
     ):
-        self.template = graph
+        self.template_module = template
+        self.template = template.graph
         self.labels = labels
         self.descending = descending
         self.prefixes = prefixes
@@ -249,7 +250,7 @@ class _Stamper:
         self.layered: dict[tuple[str, int, Any], fx.Node] = {}
         self.placeholder_counts: dict[str, int] = {}
 
-    def run(self, template: fx.GraphModule) -> fx.GraphModule:
+    def run(self) -> fx.GraphModule:
         nodes = [n for n in self.template.nodes if n.op != "output"]
         for group_label, group in groupby(nodes, key=self._group_of):
             members = list(group)
@@ -263,7 +264,7 @@ class _Stamper:
                     label = self.labels[node]
                     self.layered[(label.kind, layer, label.key)] = self._emit(node, template_layer, layer)
         self._emit_output(self.template.output_node())
-        return fx.GraphModule(template, self.graph)
+        return fx.GraphModule(self.template_module, self.graph)
 
     def _group_of(self, node: fx.Node) -> tuple[str, int] | None:
         label = self.labels.get(node)

@@ -225,6 +225,7 @@ def _trace_layers_once(
 ) -> JointGraph | None:
     """The full joint graph built from traces with 3 and 4 layers, or None (logged) when
     those do not determine it."""
+    name_prefix = _name_prefix(mp_policy)
     short_traces = []
     for count in (TEMPLATE_LAYERS, CHECK_LAYERS):
         try:
@@ -235,9 +236,7 @@ def _trace_layers_once(
         short_traces.append(short)
     template, check = short_traces
     try:
-        graph_module = stamp_verified(
-            template.graph_module, check.graph_module, layers, _name_prefix(mp_policy)
-        )
+        graph_module = stamp_verified(template.graph_module, check.graph_module, layers, name_prefix)
     except CannotRepeatLayers as exc:
         logger.info("tracing all %d layers of `%s`: %s", layers.count, layers.path, exc)
         return None
@@ -251,8 +250,7 @@ def _trace_layers_once(
         "traced %d and %d of the %d identical layers of `%s` and repeated the checked layer for the rest",
         TEMPLATE_LAYERS, CHECK_LAYERS, layers.count, layers.path,
     )
-    _, in_spec = tree_flatten((args, kwargs))
-    joint = _assign_roles(graph_module, template.fake_mode, in_spec, template.out_spec, device, _name_prefix(mp_policy))
+    joint = _assign_roles(graph_module, template.fake_mode, template.in_spec, template.out_spec, device, name_prefix)
     joint.layers_traced_once = layers
     return joint
 

@@ -334,7 +334,11 @@ def parameters_gathered_by_layer(rank: int, world_size: int) -> dict[str, Any]:
         (name, wanted): plan_gather(name, (placement,), wanted, shape, torch.float32, (world_size,))
         for name, (shape, placement) in specs.items()
     }
-    plan = GatherPlan({k: g for k, g in groups.items() if g is not None}, {k: 1 for k, g in groups.items() if g is not None})
+    group_of = {k: g for k, g in groups.items() if g is not None}
+    members: dict = {}
+    for key, group in group_of.items():
+        members.setdefault(group, []).append(key)
+    plan = GatherPlan(group_of, {k: 1 for k in group_of}, members)  # the root group of one kept on purpose
     gathers = ParameterGathers(plan, mesh)
     with CommDebugMode() as comms:
         gathered = {name: gathers.take(name, wanted, env) for name, _ in plan.group_of}

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
-from autoparallel.fx_args import flat_args
+from autoparallel.fx_args import tensor_input_nodes
 from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
 from autoparallel.sharding_constraint import sharding_constraint_op
 from autoparallel.solver.plan import Plan
@@ -93,12 +93,10 @@ class JointExecutor:
         """Which parameter reads of ``order`` are gathered a layer at a time (param_gathers.py)."""
         names = self.joint.param_name_of()
         mesh_shape = tuple(self.mesh.shape)
-        group_of: dict[tuple, Gather] = {}
-        reads: dict[tuple, int] = {}
+        reads: list[tuple[tuple, Gather]] = []
         for node in order:
             program = self.programs[node]
-            inputs = [leaf for leaf in flat_args((node.args, node.kwargs)) if isinstance(leaf, fx.Node)]
-            for slot, producer in enumerate(inputs):
+            for slot, producer in enumerate(tensor_input_nodes(node)):
                 wanted = program.input_placements.get(slot)
                 name = names.get(producer)
                 if name is None or wanted is None or is_multi(wanted) or program.input_routes.get(slot):
@@ -108,16 +106,8 @@ class JointExecutor:
                     name, tuple(self.plan.param_placements[name]), tuple(wanted), tuple(value.shape), value.dtype, mesh_shape
                 )
                 if group is not None:
-                    key = (producer, tuple(wanted))
-                    group_of[key] = group
-                    reads[key] = reads.get(key, 0) + 1
-        sizes: dict[Gather, int] = {}
-        for group in group_of.values():
-            sizes[group] = sizes.get(group, 0) + 1
-        alone = {key for key, group in group_of.items() if sizes[group] == 1}  # nothing to coalesce
-        return GatherPlan(
-            {k: g for k, g in group_of.items() if k not in alone}, {k: n for k, n in reads.items() if k not in alone}
-        )
+                    reads.append(((producer, tuple(wanted)), group))
+        return GatherPlan.of_reads(reads)
 
     def _needed_for_outputs(self) -> list[fx.Node]:
         needed: set[fx.Node] = set()
@@ -160,7 +150,7 @@ class JointExecutor:
             slot = next(slot_counter)
             value = env[arg]
             wanted = program.input_placements.get(slot)
-            if gathers is not None and wanted is not None and not is_multi(wanted):
+            if gathers is not None and arg.op == "placeholder" and wanted is not None and not is_multi(wanted):
                 gathered = gathers.take(arg, tuple(wanted), env)
                 value = value if gathered is None else gathered
             if isinstance(value, DTensor) and wanted is not None and not is_multi(wanted):

@@ -47,9 +47,21 @@ class GatherPlan:
 
     group_of: dict[tuple, Gather]
     reads: dict[tuple, int]
+    members: dict[Gather, list[tuple]]
 
-    def members(self, group: Gather) -> list[tuple]:
-        return [key for key, found in self.group_of.items() if found == group]
+    @classmethod
+    def of_reads(cls, reads: list[tuple[tuple, Gather]]) -> "GatherPlan":
+        """The plan for a phase's gatherable reads, in order: (key, group) per read. Groups
+        of a single parameter are left out (nothing to coalesce)."""
+        members: dict[Gather, list[tuple]] = {}
+        counts: dict[tuple, int] = {}
+        for key, group in reads:
+            if key not in counts:
+                members.setdefault(group, []).append(key)
+            counts[key] = counts.get(key, 0) + 1
+        members = {group: keys for group, keys in members.items() if len(keys) > 1}
+        group_of = {key: group for group, keys in members.items() for key in keys}
+        return cls(group_of, {key: counts[key] for key in group_of}, members)
 
 
 def plan_gather(param_name: str, source: tuple, wanted: tuple, shape: tuple, dtype: torch.dtype, mesh_shape: tuple) -> Gather | None:
@@ -99,7 +111,7 @@ class ParameterGathers:
         return value
 
     def _gather(self, group: Gather, env: dict) -> None:
-        members = self.plan.members(group)
+        members = self.plan.members[group]
         values = [env[node] for node, _ in members]
         tensors = [value.to_local() for value in values]
         ranks = self.mesh.size(group.mesh_dim)

@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from autoparallel import _torch_internals as internals
-from autoparallel.fx_args import flat_args
+from autoparallel.fx_args import tensor_input_nodes
 from autoparallel.strategies import view_rules
 from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
 
@@ -57,10 +57,10 @@ def dtensor_strategies(
     if strategy_fn is None:
         raise NoDTensorStrategy(f"DTensor has no sharding strategy registered for {op}")
 
-    num_inputs = len(_tensor_input_nodes(node))
+    num_inputs = len(tensor_input_nodes(node))
     single_dim = internals.has_single_dim_strategy(op)
     if single_dim:
-        candidates = {n: [_representative(n, mesh.ndim)] for n in _tensor_input_nodes(node)}
+        candidates = {n: [_representative(n, mesh.ndim)] for n in tensor_input_nodes(node)}
         expanded = None if _USE_DTENSOR_EXPANDER else _expand_single_dim(node, mesh, candidates, output_meta, num_inputs)
         if expanded is not None:
             return [s for s in expanded if _only_sum_partials(s)]
@@ -197,7 +197,7 @@ def _call_per_option(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, producer
     option they cannot handle (e.g. a view that would split an unevenly sharded dim); asking
     per option keeps every option that works.
     """
-    inputs = list(dict.fromkeys(_tensor_input_nodes(node)))
+    inputs = list(dict.fromkeys(tensor_input_nodes(node)))
     candidates = {n: producer_options[n] for n in inputs}
     unpriced = None if _USE_DTENSOR_WHOLE_MESH else _without_pricing(strategy_fn, node, mesh, candidates)
     if unpriced is not None:
@@ -243,9 +243,6 @@ def _representative(node: fx.Node, mesh_ndim: int) -> tuple:
     first = Shard(0) if isinstance(value, torch.Tensor) and value.ndim > 0 else Replicate()
     return (first,) + (Replicate(),) * (mesh_ndim - 1)
 
-
-def _tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
-    return [leaf for leaf in flat_args((node.args, node.kwargs)) if isinstance(leaf, fx.Node)]
 
 
 def _placements_of(spec: Any) -> OutputPlacements | None:

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate
 
-from autoparallel.fx_args import flat_args, map_args
+from autoparallel.fx_args import map_args, tensor_input_nodes
 from autoparallel.strategies import rules
 from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_strategies
 from autoparallel.strategies.types import NodeStrategies, OutputPlacements, Strategy, StrategySpace, is_multi
@@ -60,9 +60,6 @@ def _has_tensor_value(node: fx.Node) -> bool:
     return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
 
 
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    return [leaf for leaf in flat_args((node.args, node.kwargs)) if isinstance(leaf, fx.Node)]
-
 
 def _strategies_for(
     node: fx.Node,
@@ -74,7 +71,7 @@ def _strategies_for(
 ) -> NodeStrategies:
     value = node.meta["val"]
     multi = not isinstance(value, torch.Tensor)
-    inputs = tensor_inputs(node)
+    inputs = tensor_input_nodes(node)
 
     if node.op == "placeholder":
         key = ("placeholder", tuple(value.shape))
