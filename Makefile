@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test demo venv clean
+.PHONY: test demo lint format venv clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,16 @@ venv: $(VENV)/.installed
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
-# Plans 2 layers of LLaMA-3-8B on a fake (2, 4) mesh with every parameter listed, then all
+# ruff, configured in pyproject.toml: lint rules and the formatter's check (`make format` fixes)
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# Plans 2 layers of LLaMA-3-8B on a fake (2, 4) mesh with its parameter placements, then all
 # 32 layers on a fake (8, 8) mesh with the `autoparallel` command, writing plan.html.
 demo: $(VENV)/.installed
 	$(PY) examples/plan_llama.py

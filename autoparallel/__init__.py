@@ -1,17 +1,24 @@
 """autoparallel: plan and apply the parallelization of a PyTorch model automatically."""
 
 from autoparallel.api import AutoParallel, auto_parallel
-from autoparallel.compile import autoparallel_backend
+from autoparallel.cost.topology import HARDWARE_PRESETS, Hardware, Topology
 from autoparallel.runtime import InputMismatchError
+from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError
-from autoparallel.sharding_constraint import with_sharding_constraint
 from autoparallel.solver.highs import InfeasibleConstraintsError
-from autoparallel.solver.plan import Plan
-from autoparallel.topology import HARDWARE_PRESETS, Hardware, Topology
+from autoparallel.trace.sharding_constraint import with_sharding_constraint
+from autoparallel.types.plan import Plan
 
 __all__ = [
     "AutoParallel",
     "auto_parallel",
     "autoparallel_backend",
     "with_sharding_constraint",
-    "InputMismatchError", "DynamicShapeError", "Plan", "InfeasibleConstraintsError", "Hardware", "Topology", "HARDWARE_PRESETS"]
+    "InputMismatchError",
+    "DynamicShapeError",
+    "Plan",
+    "InfeasibleConstraintsError",
+    "Hardware",
+    "Topology",
+    "HARDWARE_PRESETS",
+]

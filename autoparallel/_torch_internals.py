@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as _funcol
@@ -113,14 +114,18 @@ def describe_input(desc: Any) -> tuple[str, Any]:
 def retarget_descriptor(desc: Any, old_prefix: str, new_prefix: str) -> Any:
     """``desc`` with a parameter/buffer name starting ``old_prefix`` moved to ``new_prefix``.
 
-    Used when one traced layer's nodes are repeated for another layer (layer_stamping.py):
+    Used when one traced layer's nodes are repeated for another layer (trace/layer_stamping.py):
     the copy's inputs and gradients must name that layer's parameters. Descriptors of
     anything else come back unchanged.
     """
-    if isinstance(desc, (_desc.ParamAOTInput, _desc.BufferAOTInput)) and desc.target.startswith(old_prefix):
-        return dataclasses.replace(desc, target=new_prefix + desc.target[len(old_prefix):])
+    if isinstance(desc, (_desc.ParamAOTInput, _desc.BufferAOTInput)) and desc.target.startswith(
+        old_prefix
+    ):
+        return dataclasses.replace(desc, target=new_prefix + desc.target[len(old_prefix) :])
     if isinstance(desc, _desc.GradAOTOutput):
-        return dataclasses.replace(desc, grad_of=retarget_descriptor(desc.grad_of, old_prefix, new_prefix))
+        return dataclasses.replace(
+            desc, grad_of=retarget_descriptor(desc.grad_of, old_prefix, new_prefix)
+        )
     return desc
 
 
@@ -148,7 +153,9 @@ def has_single_dim_strategy(op: torch._ops.OpOverload) -> bool:
     return op in DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
 
 
-def dtensor_strategy_function(op: torch._ops.OpOverload, mesh: Any, output_meta: Any) -> Callable[[OpSchema], Any] | None:
+def dtensor_strategy_function(
+    op: torch._ops.OpOverload, mesh: Any, output_meta: Any
+) -> Callable[[OpSchema], Any] | None:
     """DTensor's registered strategy for ``op`` as a function of an OpSchema of OpStrategy args.
 
     DTensor keeps two registries: whole-mesh strategy functions and single-mesh-dim rules that
@@ -177,7 +184,9 @@ class SingleDimRules(NamedTuple):
     input_placements: list[tuple]  # the placements the schema gave each tensor input
 
 
-def single_dim_rules(op: torch._ops.OpOverload, mesh: Any, schema: OpSchema, output_meta: Any) -> SingleDimRules | None:
+def single_dim_rules(
+    op: torch._ops.OpOverload, mesh: Any, schema: OpSchema, output_meta: Any
+) -> SingleDimRules | None:
     """DTensor's single-mesh-dim rules for ``op`` on ``schema``, to expand to the mesh ourselves.
 
     Why private: DTensor's own expander (``_expand_single_dim_strategy_to_mesh``) prices every
@@ -197,7 +206,9 @@ def single_dim_rules(op: torch._ops.OpOverload, mesh: Any, schema: OpSchema, out
     info = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs.get(op)
     if info is None or getattr(info, "different_mesh_args", None) is not None:
         return None
-    if any(isinstance(a, TupleStrategy) for a in (*schema.args_schema, *schema.kwargs_schema.values())):
+    if any(
+        isinstance(a, TupleStrategy) for a in (*schema.args_schema, *schema.kwargs_schema.values())
+    ):
         return None
     base_name = op.name().split("::")[-1].split(".")[0]
     if base_name.endswith("_") or schema.is_out_variant_op():
@@ -211,8 +222,12 @@ def single_dim_rules(op: torch._ops.OpOverload, mesh: Any, schema: OpSchema, out
     allow_unbacked = prepared.allow_unbacked_sharding
 
     def shardable(index: int, placements: tuple) -> bool:
-        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=inputs[index].strategies[0].output_spec.tensor_meta)
-        return is_tensor_shardable(inputs[index].shape, spec, allow_unbacked_sharding=allow_unbacked)
+        spec = DTensorSpec(
+            mesh, tuple(placements), tensor_meta=inputs[index].strategies[0].output_spec.tensor_meta
+        )
+        return is_tensor_shardable(
+            inputs[index].shape, spec, allow_unbacked_sharding=allow_unbacked
+        )
 
     return SingleDimRules(
         [list(rule) for rule in prepared.expanded_strategies],
@@ -245,7 +260,8 @@ def view_rule_of(strategy_fn: Any) -> ViewRule | None:
         code is None
         or _dtensor_view_ops is None
         or getattr(strategy_fn, "__module__", None) != _dtensor_view_ops.__name__
-        or getattr(strategy_fn, "__qualname__", None) != "register_op_strategy_map.<locals>.reshape_strategy"
+        or getattr(strategy_fn, "__qualname__", None)
+        != "register_op_strategy_map.<locals>.reshape_strategy"
         or strategy_fn.__closure__ is None
     ):
         return None
@@ -257,7 +273,11 @@ def view_rule_of(strategy_fn: Any) -> ViewRule | None:
 
 
 def propagate_view_sharding(
-    input_placements: tuple, global_shape: tuple[int, ...], dim_map: Any, mesh_shape: tuple[int, ...], strict_view: bool
+    input_placements: tuple,
+    global_shape: tuple[int, ...],
+    dim_map: Any,
+    mesh_shape: tuple[int, ...],
+    strict_view: bool,
 ) -> tuple[tuple, tuple]:
     """(input target placements, output placements) of a view: DTensor's own propagation.
 
@@ -265,7 +285,9 @@ def propagate_view_sharding(
     (which placements survive a split or flatten, where _StridedShard appears); we call it
     rather than re-derive it, and only skip the pricing around it (see view_rule_of).
     """
-    tgt, out = _dtensor_view_ops.propagate_shape_and_sharding(input_placements, global_shape, dim_map, mesh_shape, strict_view)
+    tgt, out = _dtensor_view_ops.propagate_shape_and_sharding(
+        input_placements, global_shape, dim_map, mesh_shape, strict_view
+    )
     return tuple(tgt), tuple(out)
 
 
@@ -304,7 +326,9 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 def schema_info(op: torch._ops.OpOverload) -> Any:
     propagator = DTensor._op_dispatcher.sharding_propagator
-    return propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
+    return propagator.op_to_schema_info.get(
+        op
+    ) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
 
 
 # ---------------------------------------------------------------------------- torch.compile

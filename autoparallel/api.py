@@ -1,31 +1,38 @@
 """AutoParallel: orchestration of the pipeline stages (no algorithm lives here).
 
-    trace_joint -> build_strategy_space -> build_cost_tables -> build_problem
-        -> (user constraints) -> solve -> build_plan
+    trace_joint -> build_strategy_space -> build_cost_tables -> find_repeated_nodes
+        -> build_problem -> (model's and user's constraints) -> solve -> build_plan
+        -> apply_placement
+
+``__enter__`` runs the stages up to the problem, with the ordering contract beside each
+step; ``optimize_placement`` solves; ``apply_placement`` builds the parallel module.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel.cost.tables import build_cost_tables
-from autoparallel.mixed_precision import check_policy, reduction_dtype_constraints
-from autoparallel.persistence import check_compatible, load_placements, save_placements
+from autoparallel.cost.topology import Hardware, Topology
+from autoparallel.files.placements import check_compatible, load_placements, save_placements
+from autoparallel.optimizer import ShardingOptimizer
 from autoparallel.runtime.module import apply_placement
-from autoparallel.sharding_constraint import sharding_constraints
+from autoparallel.solver.constraints import reduction_dtype_constraints, sharding_constraints
 from autoparallel.solver.folding import find_repeated_nodes
 from autoparallel.solver.highs import SolverOptions
-from autoparallel.solver.optimizer import ShardingOptimizer, check_shard_dims, validate_placements
-from autoparallel.solver.plan import Plan
 from autoparallel.solver.problem import build_problem
 from autoparallel.strategies.space import build_strategy_space
-from autoparallel.topology import Hardware, Topology
-from autoparallel.trace import JointGraph, trace_device, trace_joint
+from autoparallel.trace.export import trace_device, trace_joint
+from autoparallel.trace.mixed_precision import check_policy
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.placements import check_shard_dims, validate_placements
+from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +54,7 @@ class AutoParallel:
         input_fn: returns the global example inputs: a tensor, a tuple, or a dict of kwargs.
         mesh: the DeviceMesh to plan for (a fake process group is enough).
         mp_policy: torch's ``MixedPrecisionPolicy`` (from ``torch.distributed.fsdp``): compute in
-            ``param_dtype``, reduce gradients in ``reduce_dtype``; see mixed_precision.py.
+            ``param_dtype``, reduce gradients in ``reduce_dtype``; see trace/mixed_precision.py.
         hardware: a preset name ("h100", "a100", "h200", "b200", "cpu") or a Hardware.
         gpus_per_node: ranks per node, deciding which mesh dims are inter-node.
         time_limit_s / relative_gap: solver controls (on a time-out the best plan found is
@@ -55,7 +62,7 @@ class AutoParallel:
         fold: let repeated layers share decision variables (see solver/folding.py).
         trace_layers_once: when the model's layers are identical modules, trace it with 3
             and 4 layers and build the full graph from those, checked node for node
-            (see repeated_layers.py, layer_stamping.py); False traces every layer.
+            (see trace/repeated_layers.py, trace/layer_stamping.py); False traces every layer.
         dynamic: the parallel module also accepts inputs of other sizes than ``input_fn()``'s,
             without planning again, when the plan divides them (see runtime/dynamic.py).
     """
@@ -82,7 +89,9 @@ class AutoParallel:
                 f"input_fn must be a callable returning the global example inputs, got {type(input_fn).__name__}"
             )
         if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+            raise TypeError(
+                f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
+            )
         self.model = model
         self.input_fn = input_fn
         self.mesh = mesh
@@ -98,20 +107,38 @@ class AutoParallel:
 
     # ------------------------------------------------------------------ context manager
 
-    def __enter__(self) -> "AutoParallel":
+    def __enter__(self) -> AutoParallel:
+        # 1. Trace: the joint forward+backward graph on fake tensors, with the roles of its
+        #    boundary. Everything later reads this graph; nothing later re-traces.
         device = trace_device(self.mesh.device_type)
         self.joint = self._timed(
-            "trace", lambda: trace_joint(self.model, self.input_fn, device, self.mp_policy, self.trace_layers_once)
+            "trace",
+            lambda: trace_joint(
+                self.model, self.input_fn, device, self.mp_policy, self.trace_layers_once
+            ),
         )
+        # 2. Strategies: per node, the placements it can run with on this mesh. Depends on the
+        #    graph only (shapes, ops), not on hardware.
         space = self._timed("strategies", lambda: build_strategy_space(self.joint, self.mesh))
+        # 3. Cost: a price per (node, strategy) and per (edge, placement pair), on the topology.
         tables = self._timed("cost", lambda: build_cost_tables(self.joint, space, self.topology))
-        folding = self._timed("fold", lambda: find_repeated_nodes(self.joint, space)) if self.fold else None
+        # 4. Folding, before the problem: repeated layers must share columns when it is built.
+        folding = (
+            self._timed("fold", lambda: find_repeated_nodes(self.joint, space))
+            if self.fold
+            else None
+        )
+        # 5. Problem: the structural rows and objective (no user constraint yet).
         problem = self._timed("build", lambda: build_problem(self.joint, space, tables, folding))
+        # 6. Constraints the model itself states (with_sharding_constraint, the mixed-precision
+        #    policy), by name; the user's own ones are added after __enter__ returns.
         for constraint in sharding_constraints(problem, tuple(self.mesh.shape)):
             problem.add_constraint(constraint)
         if self.mp_policy is not None:
             for constraint in reduction_dtype_constraints(problem, self.mp_policy):
                 problem.add_constraint(constraint)
+        # 7. The facade the user constrains and solves through (solving waits for
+        #    optimize_placement, so constraints can still be added).
         self._optimizer = ShardingOptimizer(problem, self.mesh.mesh_dim_names, self.solver_options)
         return self
 
@@ -130,7 +157,9 @@ class AutoParallel:
     @property
     def sharding_optimizer(self) -> ShardingOptimizer:
         if self._optimizer is None:
-            raise RuntimeError("enter the AutoParallel context first: `with AutoParallel(...) as autop:`")
+            raise RuntimeError(
+                "enter the AutoParallel context first: `with AutoParallel(...) as autop:`"
+            )
         return self._optimizer
 
     def add_input_constraints(self, constraints: Sequence[Sequence | None]) -> list[str]:
@@ -148,7 +177,9 @@ class AutoParallel:
         nodes = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
         return self._add_boundary_constraints(constraints, nodes, "output")
 
-    def add_parameter_memory_constraint(self, low: float | None = None, high: float | None = None) -> str:
+    def add_parameter_memory_constraint(
+        self, low: float | None = None, high: float | None = None
+    ) -> str:
         """Bound parameter memory per device, in bytes (defaults push toward 1/world-size)."""
         return self.sharding_optimizer.add_parameter_memory_constraint(low, high)
 
@@ -171,7 +202,11 @@ class AutoParallel:
             source = int(self.mesh.mesh.flatten()[0])
             shared = [optimizer.resolve(verbose=verbose) if dist.get_rank() == source else None]
             dist.broadcast_object_list(shared, src=source)
-            plan = shared[0] if dist.get_rank() == source else optimizer.adopt(shared[0], verbose=verbose)
+            plan = (
+                shared[0]
+                if dist.get_rank() == source
+                else optimizer.adopt(shared[0], verbose=verbose)
+            )
         self.stage_times_s["solve"] = time.perf_counter() - start
         return plan
 
@@ -187,9 +222,15 @@ class AutoParallel:
         joint = optimizer.problem.joint
         saved = load_placements(path)
         check_compatible(saved, tuple(self.mesh.shape), joint, path)
-        names = self.add_input_constraints(saved.inputs) + self.add_output_constraints(saved.outputs)
+        names = self.add_input_constraints(saved.inputs) + self.add_output_constraints(
+            saved.outputs
+        )
         for name, placements in saved.params.items():
-            names.append(optimizer.add_placement_constraint(joint.params[name], placements, f"param:{name}", f"parameter {name}"))
+            names.append(
+                optimizer.add_placement_constraint(
+                    joint.params[name], placements, f"param:{name}", f"parameter {name}"
+                )
+            )
         return names
 
     def apply_placement(self, plan: Plan | None = None) -> nn.Module:
@@ -199,14 +240,22 @@ class AutoParallel:
         problem = optimizer.problem
         start = time.perf_counter()
         module = apply_placement(
-            self.model, problem.joint, problem.space, plan, self.mesh, dynamic=self.dynamic, mp_policy=self.mp_policy
+            self.model,
+            problem.joint,
+            problem.space,
+            plan,
+            self.mesh,
+            dynamic=self.dynamic,
+            mp_policy=self.mp_policy,
         )
         self.stage_times_s["apply"] = time.perf_counter() - start
         return module
 
     def _add_boundary_constraints(self, constraints: Sequence, nodes: list, what: str) -> list[str]:
         if not isinstance(constraints, (list, tuple)):
-            raise TypeError(f"{what} constraints must be a list with one placement tuple per {what} tensor")
+            raise TypeError(
+                f"{what} constraints must be a list with one placement tuple per {what} tensor"
+            )
         if len(constraints) != len(nodes):
             raise ValueError(
                 f"{len(constraints)} {what} constraints given but the model has {len(nodes)} {what} tensor(s); "
@@ -220,11 +269,16 @@ class AutoParallel:
             label = f"{what} {index}"
             placements = validate_placements(placements, mesh_ndim, label)
             if node is None:
-                raise ValueError(f"{label} is not a tensor produced by the graph and cannot be constrained")
+                raise ValueError(
+                    f"{label} is not a tensor produced by the graph and cannot be constrained"
+                )
             check_shard_dims(placements, node.meta["val"].ndim, label)
             checked.append((index, node, placements, label))
         optimizer = self.sharding_optimizer
-        return [optimizer.add_placement_constraint(node, p, f"{what}:{i}", label) for i, node, p, label in checked]
+        return [
+            optimizer.add_placement_constraint(node, p, f"{what}:{i}", label)
+            for i, node, p, label in checked
+        ]
 
 
 def _shares_plan(mesh: DeviceMesh) -> bool:
@@ -268,20 +322,30 @@ def auto_parallel(
     raw = sample_inputs() if callable(sample_inputs) else sample_inputs
     leaves, spec = tree_flatten(raw)
     placements = [
-        tuple(leaf.placements) if isinstance(leaf, DTensor) else (Replicate(),) * mesh.ndim for leaf in leaves
+        tuple(leaf.placements) if isinstance(leaf, DTensor) else (Replicate(),) * mesh.ndim
+        for leaf in leaves
     ]
 
     def input_fn() -> Any:
         import torch
 
-        globals_ = [torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        globals_ = [
+            torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
+            for leaf in leaves
+        ]
         return spec.unflatten(globals_)
 
     def is_placement_tuple(node: Any) -> bool:
-        return isinstance(node, (tuple, list)) and len(node) > 0 and all(isinstance(p, Placement) for p in node)
+        return (
+            isinstance(node, (tuple, list))
+            and len(node) > 0
+            and all(isinstance(p, Placement) for p in node)
+        )
 
     output_placements, _ = tree_flatten(out_shardings, is_leaf=is_placement_tuple)
-    with AutoParallel(model, input_fn, mesh, mp_policy, dynamic=dynamic, **planner_options) as autop:
+    with AutoParallel(
+        model, input_fn, mesh, mp_policy, dynamic=dynamic, **planner_options
+    ) as autop:
         autop.add_input_constraints(placements)
         autop.add_output_constraints(output_placements)
         if parameter_memory_budget is not None:

@@ -5,25 +5,26 @@ The log states, for every node, the placements it runs with in the seed's notati
 statistics, so that every decision can be questioned. Units are always printed.
 
 The explanations question it: :func:`explain_placement` (could this node produce that
-placement, and at what local price?), :func:`cost_matrix` (every price of one edge) and
-:func:`diff_plans` (what changed between two plans). They read the Problem's price tables
-and the Plan only; nothing is re-solved.
+placement, and at what local price?) and :func:`cost_matrix` (every price of one edge). They
+read the Problem's price tables and the Plan only; nothing is re-solved. The totals lines and
+the diff of two plans are the report's (:mod:`autoparallel.report.text`), on the plan's JSON.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autoparallel.cost.tables import EdgeCost
-from autoparallel.solver.plan import CostTotals, NodePlan, Plan
-from autoparallel.solver.problem import Problem
-from autoparallel.strategies.types import OutputPlacements, placement_str
+from autoparallel.files.plan_json import plan_json
+from autoparallel.report.text import solver_lines, totals_lines
+from autoparallel.types.costs import EdgeCost
+from autoparallel.types.placements import OutputPlacements, placement_str
+from autoparallel.types.plan import NodePlan, Plan
+from autoparallel.types.problem import Problem
 
 logger = logging.getLogger("autoparallel.plan")
 
@@ -45,30 +46,17 @@ def format_node(node: NodePlan) -> str:
     )
 
 
-def format_totals(plan: Plan) -> list[str]:
-    t, s = plan.totals, plan.solver
-    return [
-        f"total cost: {t.total_us:.2f} us = comm {t.comm_us:.2f} us + compute {t.compute_us:.2f} us "
-        f"+ transition {t.transition_us:.2f} us",
-        f"solver: status {s.status}, objective {s.objective:.2f} us, bound {s.bound:.2f} us, gap {100 * s.gap:.3f}%, "
-        f"time {s.time_s:.2f} s, {s.num_variables} variables, {s.num_constraints} constraints"
-        + (", solved as an LP (its relaxation was integral)" if s.method == "lp" else ""),
-    ]
-
-
-def format_parameters(plan: Plan) -> list[str]:
-    width = max((len(n) for n in plan.param_placements), default=0)
-    return [f"{name:<{width}}  {placement_str(p)}" for name, p in plan.param_placements.items()]
-
-
 def log_plan(plan: Plan, level: int = logging.INFO) -> None:
     """Emit the whole plan through Python logging (logger ``autoparallel.plan``)."""
     names = plan.mesh_dim_names or tuple(f"dim{i}" for i in range(len(plan.mesh_shape)))
     mesh = ", ".join(f"{n}={s}" for n, s in zip(names, plan.mesh_shape))
-    logger.log(level, "plan on mesh (%s); placements in mesh-dim order; costs in microseconds", mesh)
+    logger.log(
+        level, "plan on mesh (%s); placements in mesh-dim order; costs in microseconds", mesh
+    )
     for node in plan.nodes.values():
         logger.log(level, "%s", format_node(node))
-    for line in format_totals(plan):
+    data = plan_json(plan)
+    for line in totals_lines(data) + solver_lines(data):
         logger.log(level, "%s", line)
     if plan.fallbacks:
         logger.log(level, "replicated for lack of a strategy: %s", ", ".join(plan.fallbacks))
@@ -154,7 +142,9 @@ def _chosen_output(plan: Plan, node: fx.Node) -> OutputPlacements:
     return plan.nodes[node.name].strategy.output
 
 
-def _local_price(problem: Problem, plan: Plan, node: fx.Node, strategy_index: int, prices: _EdgePrices) -> _LocalPrice:
+def _local_price(
+    problem: Problem, plan: Plan, node: fx.Node, strategy_index: int, prices: _EdgePrices
+) -> _LocalPrice:
     """Compute of ``strategy_index`` plus what each incoming edge costs when its producer
     keeps the placement it has in ``plan`` (inf when that redistribution is impossible)."""
     compute = problem.tables.compute_us[node][strategy_index]
@@ -176,13 +166,21 @@ def _chosen_index(problem: Problem, plan: Plan, node: fx.Node) -> int:
 
 def _status(chosen: _LocalPrice, target: _LocalPrice) -> str:
     a, b = chosen.total_us, target.total_us
-    if a == b or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= TIE_RELATIVE_TOLERANCE * max(abs(a), abs(b))):
+    if a == b or (
+        math.isfinite(a)
+        and math.isfinite(b)
+        and abs(a - b) <= TIE_RELATIVE_TOLERANCE * max(abs(a), abs(b))
+    ):
         return TIE
     return CHOSEN_CHEAPER if a < b else TARGET_CHEAPER
 
 
 def explain_node_placement(
-    problem: Problem, plan: Plan, node: fx.Node, target: OutputPlacements, prices: _EdgePrices | None = None
+    problem: Problem,
+    plan: Plan,
+    node: fx.Node,
+    target: OutputPlacements,
+    prices: _EdgePrices | None = None,
 ) -> PlacementExplanation:
     """Why ``node`` produces what ``plan`` says rather than ``target`` (see
     :func:`explain_placement` for the meaning of each status)."""
@@ -195,7 +193,10 @@ def explain_node_placement(
     elif not candidates:
         best, status = _LocalPrice(math.inf, math.inf, 0.0), UNAVAILABLE
     else:
-        best = min((_local_price(problem, plan, node, i, prices) for i in candidates), key=lambda p: p.total_us)
+        best = min(
+            (_local_price(problem, plan, node, i, prices) for i in candidates),
+            key=lambda p: p.total_us,
+        )
         status = _status(chosen, best)
     return PlacementExplanation(
         node=node.name,
@@ -312,7 +313,9 @@ def incoming_edge(problem: Problem, node: fx.Node, slot: int, kind: str = "arg")
     raise KeyError(f"node {node.name} has no {kind} input {slot}; its inputs: {available}")
 
 
-def cost_matrix(problem: Problem, node: fx.Node, slot: int = 0, plan: Plan | None = None) -> CostMatrix:
+def cost_matrix(
+    problem: Problem, node: fx.Node, slot: int = 0, plan: Plan | None = None
+) -> CostMatrix:
     """The price of every (producer placement, required placement) pair of one edge."""
     edge = incoming_edge(problem, node, slot)
     prices = _pair_prices(edge)
@@ -326,91 +329,11 @@ def cost_matrix(problem: Problem, node: fx.Node, slot: int = 0, plan: Plan | Non
         dst = edge.dst_options[edge.dst_of_strategy[_chosen_index(problem, plan, node)]]
         chosen = (edge.src_options.index(src), edge.dst_options.index(dst))
     return CostMatrix(
-        edge.producer.name, node.name, slot, list(edge.src_options), list(edge.dst_options), matrix, chosen
-    )
-
-
-# ---------------------------------------------------------------------------- two plans
-
-
-@dataclass(frozen=True)
-class ParameterChange:
-    name: str
-    before: OutputPlacements
-    after: OutputPlacements
-
-
-@dataclass(frozen=True)
-class PlanDiff:
-    """What changed from plan ``a`` to plan ``b``.
-
-    ``delta`` is ``b.totals - a.totals`` per component (us; negative = ``b`` is cheaper),
-    ``objective_delta_us`` the difference of the solver objectives (which include any
-    objective discount, e.g. prefetch). ``moves`` counts the nodes (placeholders included)
-    whose output placement changed, per (before, after) in seed notation, most frequent
-    first; nodes present in only one plan are listed by name.
-    """
-
-    delta: CostTotals
-    objective_delta_us: float
-    parameters: list[ParameterChange]
-    moves: dict[tuple[str, str], int]
-    only_in_a: list[str] = field(default_factory=list)
-    only_in_b: list[str] = field(default_factory=list)
-
-    @property
-    def num_moved(self) -> int:
-        return sum(self.moves.values())
-
-    def __str__(self) -> str:
-        d = self.delta
-        lines = [
-            f"total {d.total_us:+.2f} us = comm {d.comm_us:+.2f} us + compute {d.compute_us:+.2f} us "
-            f"+ transition {d.transition_us:+.2f} us (solver objective {self.objective_delta_us:+.2f} us)"
-        ]
-        lines += self._parameter_lines() + self._move_lines()
-        if self.only_in_a or self.only_in_b:
-            a, b = ", ".join(self.only_in_a) or "-", ", ".join(self.only_in_b) or "-"
-            lines.append(f"only in a: {a}; only in b: {b}")
-        return "\n".join(lines)
-
-    def _parameter_lines(self) -> list[str]:
-        width = max((len(p.name) for p in self.parameters), default=0)
-        lines = [f"{len(self.parameters)} parameter(s) changed placement:"]
-        for change in self.parameters:
-            lines.append(f"  {change.name:<{width}}  {placement_str(change.before)} -> {placement_str(change.after)}")
-        return lines
-
-    def _move_lines(self) -> list[str]:
-        lines = [f"{self.num_moved} node(s) changed output placement:"]
-        for (src, dst), count in self.moves.items():
-            lines.append(f"  {src} -> {dst}: {count} node{'s' if count != 1 else ''}")
-        return lines
-
-
-def _totals_delta(a: CostTotals, b: CostTotals) -> CostTotals:
-    return CostTotals(
-        b.total_us - a.total_us, b.comm_us - a.comm_us, b.compute_us - a.compute_us, b.transition_us - a.transition_us
-    )
-
-
-def diff_plans(a: Plan, b: Plan) -> PlanDiff:
-    """Compare two plans of the same model (e.g. before and after a constraint)."""
-    parameters = [
-        ParameterChange(name, placements, b.param_placements[name])
-        for name, placements in a.param_placements.items()
-        if name in b.param_placements and b.param_placements[name] != placements
-    ]
-    moves: Counter[tuple[str, str]] = Counter()
-    for name, node in a.nodes.items():
-        other = b.nodes.get(name)
-        if other is not None and other.strategy.output != node.strategy.output:
-            moves[(placement_str(node.strategy.output), placement_str(other.strategy.output))] += 1
-    return PlanDiff(
-        delta=_totals_delta(a.totals, b.totals),
-        objective_delta_us=b.solver.objective - a.solver.objective,
-        parameters=parameters,
-        moves=dict(moves.most_common()),
-        only_in_a=[n for n in a.nodes if n not in b.nodes],
-        only_in_b=[n for n in b.nodes if n not in a.nodes],
+        edge.producer.name,
+        node.name,
+        slot,
+        list(edge.src_options),
+        list(edge.dst_options),
+        matrix,
+        chosen,
     )

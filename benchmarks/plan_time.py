@@ -46,15 +46,23 @@ def hf_llama_like(config, seq: int):
 def unfolded_size(problem) -> tuple[int, int]:
     """(variables, constraints) the problem would have without folding, without building it."""
     space, tables = problem.space, problem.tables
-    variables = sum(len(ns.strategies) for ns in space.nodes.values()) + sum(len(e.pairs) for e in tables.edges)
-    constraints = len(space.nodes) + sum(len(e.src_options) + len(e.dst_options) for e in tables.edges)
+    variables = sum(len(ns.strategies) for ns in space.nodes.values()) + sum(
+        len(e.pairs) for e in tables.edges
+    )
+    constraints = len(space.nodes) + sum(
+        len(e.src_options) + len(e.dst_options) for e in tables.edges
+    )
     return variables, constraints
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
-        "--model", default="llama3-8b", help="llama3-8b, llama3-70b or tiny; hf-llama3-8b etc. for Hugging Face's model"
+        "--model",
+        default="llama3-8b",
+        help="llama3-8b, llama3-70b or tiny; hf-llama3-8b etc. for Hugging Face's model",
     )
     parser.add_argument("--mesh", default="8x8")
     parser.add_argument("--layers", type=int, default=None, help="default: the model's own depth")
@@ -63,11 +71,21 @@ def main() -> None:
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--no-fold", action="store_true", help="solve the unreduced problem")
     parser.add_argument(
-        "--trace-all-layers", action="store_true", help="trace every layer instead of building the graph from 3 and 4"
+        "--trace-all-layers",
+        action="store_true",
+        help="trace every layer instead of building the graph from 3 and 4",
     )
-    parser.add_argument("--time-limit", type=float, default=600.0, help="solver time limit, seconds")
-    parser.add_argument("--no-lp-first", action="store_true", help="run the MIP without trying its LP relaxation first")
-    parser.add_argument("--build-only", action="store_true", help="stop before solving (stage times and sizes only)")
+    parser.add_argument(
+        "--time-limit", type=float, default=600.0, help="solver time limit, seconds"
+    )
+    parser.add_argument(
+        "--no-lp-first",
+        action="store_true",
+        help="run the MIP without trying its LP relaxation first",
+    )
+    parser.add_argument(
+        "--build-only", action="store_true", help="stop before solving (stage times and sizes only)"
+    )
     args = parser.parse_args()
 
     shape = tuple(int(s) for s in args.mesh.split("x"))
@@ -99,34 +117,40 @@ def main() -> None:
     total = time.perf_counter() - start
     stages = autop.stage_times_s
     variables_before, constraints_before = unfolded_size(problem)
-    print(json.dumps({
-        "model": args.model,
-        "layers": config.n_layers,
-        "mesh": list(shape),
-        "batch": args.batch,
-        "seq": args.seq,
-        "fold": not args.no_fold,
-        "layers_traced_once": problem.joint.layers_traced_once is not None,
-        "trace_s": round(stages["trace"], 2),
-        "strategies_s": round(stages["strategies"], 2),
-        "cost_s": round(stages["cost"], 2),
-        "fold_s": round(stages.get("fold", 0.0), 2),
-        "build_s": round(stages["build"], 2),
-        "solve_s": round(stages.get("solve", 0.0), 2),
-        "total_s": round(total, 2),
-        "nodes": len(problem.space.nodes),
-        "node_classes": problem.folding.num_classes if problem.folding else len(problem.space.nodes),
-        "variables_before_folding": variables_before,
-        "constraints_before_folding": constraints_before,
-        "variables": problem.num_variables,
-        "constraints": problem.num_constraints,
-        "edges": len(problem.tables.edges),
-        "edges_as_route_flows": problem.edge_encodings.count("routes"),
-        "objective_us": round(plan.solver.objective, 2) if plan else None,
-        "solver_status": plan.solver.status if plan else "not solved (--build-only)",
-        "solved_by": plan.solver.method if plan else None,
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "layers": config.n_layers,
+                "mesh": list(shape),
+                "batch": args.batch,
+                "seq": args.seq,
+                "fold": not args.no_fold,
+                "layers_traced_once": problem.joint.layers_traced_once is not None,
+                "trace_s": round(stages["trace"], 2),
+                "strategies_s": round(stages["strategies"], 2),
+                "cost_s": round(stages["cost"], 2),
+                "fold_s": round(stages.get("fold", 0.0), 2),
+                "build_s": round(stages["build"], 2),
+                "solve_s": round(stages.get("solve", 0.0), 2),
+                "total_s": round(total, 2),
+                "nodes": len(problem.space.nodes),
+                "node_classes": problem.folding.num_classes
+                if problem.folding
+                else len(problem.space.nodes),
+                "variables_before_folding": variables_before,
+                "constraints_before_folding": constraints_before,
+                "variables": problem.num_variables,
+                "constraints": problem.num_constraints,
+                "edges": len(problem.tables.edges),
+                "edges_as_route_flows": problem.edge_encodings.count("routes"),
+                "objective_us": round(plan.solver.objective, 2) if plan else None,
+                "solver_status": plan.solver.status if plan else "not solved (--build-only)",
+                "solved_by": plan.solver.method if plan else None,
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

@@ -7,7 +7,7 @@ CPU ranks, with the same global batch split by rows (each rank feeds its LOCAL s
 AdamW. A step is zero_grad + forward + loss + backward + optimizer step; its time is the
 slowest rank's, and the figure reported is the median over ``--steps`` steps after
 ``--warmup`` untimed ones. Each variant runs in its own set of processes
-(``autoparallel.testing.run_distributed``), so one failing or hanging variant does not take
+(``autoparallel._testing.harness.run_distributed``), so one failing or hanging variant does not take
 the others down.
 
 Comparisons, one JSON line each on stdout (children's output goes to stderr):
@@ -38,8 +38,9 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,9 +50,9 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script from a checkout: make `autoparallel` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autoparallel import AutoParallel, autoparallel_backend  # noqa: E402
-from autoparallel.models import MLP, Llama, llama_config  # noqa: E402
-from autoparallel.testing import run_distributed  # noqa: E402
+from autoparallel import AutoParallel, autoparallel_backend
+from autoparallel._testing.harness import run_distributed
+from autoparallel.models import MLP, Llama, llama_config
 
 MODELS = ("mlp", "llama-tiny")
 COMPILED = "+compile"
@@ -102,7 +103,9 @@ def local_rows(tensor: torch.Tensor | None, rank: int, world_size: int) -> torch
 # ---------------------------------------------------------------------------------- variants
 
 
-def _build_ours(model_name: str, mesh: Any, memory: bool, hardware: str | None) -> tuple[nn.Module, dict]:
+def _build_ours(
+    model_name: str, mesh: Any, memory: bool, hardware: str | None
+) -> tuple[nn.Module, dict]:
     from torch.distributed.tensor import Shard
 
     with torch.device("meta"):
@@ -128,7 +131,9 @@ def _check_same_plan(plan: Any) -> None:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if any(other != mine for other in everyone):
-        raise RuntimeError("ranks planned different parameter placements; the solve is not deterministic")
+        raise RuntimeError(
+            "ranks planned different parameter placements; the solve is not deterministic"
+        )
 
 
 def _build_fsdp2(model_name: str, mesh: Any) -> nn.Module:
@@ -162,7 +167,13 @@ def _local_param_bytes(model: nn.Module) -> int:
 
 
 def time_variant(
-    rank: int, world_size: int, variant: str, model_name: str, steps: int, warmup: int, hardware: str | None
+    rank: int,
+    world_size: int,
+    variant: str,
+    model_name: str,
+    steps: int,
+    warmup: int,
+    hardware: str | None,
 ) -> dict:
     """One rank of one variant: build, train ``warmup + steps`` steps, return timings."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -181,7 +192,11 @@ def time_variant(
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     # Compiled variants: the first call compiles the forward, the first backward() the
     # backward, both inside the (untimed) warm-up steps.
-    run = torch.compile(model, backend=autoparallel_backend(), fullgraph=True) if variant.endswith(COMPILED) else model
+    run = (
+        torch.compile(model, backend=autoparallel_backend(), fullgraph=True)
+        if variant.endswith(COMPILED)
+        else model
+    )
     compiles = _CompileCounter()
     inputs, targets = global_batch(model_name)
     inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
@@ -226,7 +241,7 @@ class _CompileCounter(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.count = 0
-        self.logger = logging.getLogger("autoparallel.compile")
+        self.logger = logging.getLogger("autoparallel.runtime.compile")
         self.logger.setLevel(logging.INFO)
         self.logger.addHandler(self)
 
@@ -259,13 +274,25 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
         lines = [line for line in str(exc).strip().splitlines() if line.strip()]
         return {"status": "error", "error": lines[-1] if lines else repr(exc)}
     result = results[0]
-    return {"status": "ok", "median_ms": round(1e3 * statistics.median(result["step_s"]), 3), **result}
+    return {
+        "status": "ok",
+        "median_ms": round(1e3 * statistics.median(result["step_s"]), 3),
+        **result,
+    }
 
 
 def _summary(result: dict) -> dict:
     keep = (
-        "median_ms", "first_step_ms", "loss_first", "loss_last", "param_bytes_per_rank", "planning_s",
-        "graphs_compiled", "compiled_in_timed_steps", "error", "reason",
+        "median_ms",
+        "first_step_ms",
+        "loss_first",
+        "loss_last",
+        "param_bytes_per_rank",
+        "planning_s",
+        "graphs_compiled",
+        "compiled_in_timed_steps",
+        "error",
+        "reason",
     )
     return {key: result[key] for key in keep if key in result}
 
@@ -277,15 +304,21 @@ def _ratio(a: dict, b: dict) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--nproc", type=int, default=2, help="number of gloo CPU ranks (1-D mesh)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--hardware", default="cpu", help="hardware preset the planner prices for")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant before giving up")
     parser.add_argument(
-        "--compile", action="store_true", help="also time ours under torch.compile(backend=autoparallel_backend())"
+        "--timeout", type=float, default=300.0, help="seconds per variant before giving up"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time ours under torch.compile(backend=autoparallel_backend())",
     )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.nproc < 1:
@@ -300,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         if ours_available:
             ours = run_variant(ours_variant, args)
         else:
-            ours = {"status": "unavailable", "reason": "AutoParallel.apply_placement does not exist yet"}
+            ours = {
+                "status": "unavailable",
+                "reason": "AutoParallel.apply_placement does not exist yet",
+            }
         theirs = run_variant(theirs_variant, args)
         failed |= ours["status"] == "error" or theirs["status"] == "error"
         ratio = _ratio(ours, theirs)
@@ -309,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
             if ours_available:
                 compiled = run_variant(ours_variant + COMPILED, args)
             else:
-                compiled = {"status": "unavailable", "reason": "AutoParallel.apply_placement does not exist yet"}
+                compiled = {
+                    "status": "unavailable",
+                    "reason": "AutoParallel.apply_placement does not exist yet",
+                }
             failed |= compiled["status"] == "error"
         line = {
             "model": args.model,

@@ -21,14 +21,18 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
-from autoparallel.explain import format_parameters, format_totals
 from autoparallel.models import Llama, llama_config
+from autoparallel.report.text import parameter_lines, solver_lines, totals_lines
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="llama3-8b", help="llama3-8b, llama3-70b or tiny")
-    parser.add_argument("--layers", type=int, default=2, help="number of transformer blocks to plan")
+    parser.add_argument(
+        "--layers", type=int, default=2, help="number of transformer blocks to plan"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--mesh", default="2x4", help="mesh shape, e.g. 2x4")
@@ -54,14 +58,14 @@ def main() -> None:
         autop.add_input_constraints([batch_sharded])
         autop.add_output_constraints([batch_sharded])
         autop.add_parameter_memory_constraint()
-        plan = autop.optimize_placement(verbose=args.verbose)
+        autop.optimize_placement(verbose=args.verbose)
+        data = autop.sharding_optimizer.get_json()
     elapsed = time.perf_counter() - start
 
-    print(f"\n{args.model} ({args.layers} layers), batch {args.batch} x seq {args.seq}, mesh {dict(zip(names, shape))}")
-    print("parameter placements (mesh-dim order):")
-    for line in format_parameters(plan):
-        print("  " + line)
-    for line in format_totals(plan):
+    print(
+        f"\n{args.model} ({args.layers} layers), batch {args.batch} x seq {args.seq}, mesh {dict(zip(names, shape))}"
+    )
+    for line in parameter_lines(data) + totals_lines(data) + solver_lines(data):
         print(line)
     stages = ", ".join(f"{k} {v:.1f} s" for k, v in autop.stage_times_s.items())
     print(f"planning took {elapsed:.1f} s ({stages})")

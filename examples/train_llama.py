@@ -25,8 +25,8 @@ from torch.distributed.tensor import Shard
 if __package__ in (None, ""):  # run from a checkout: make `autoparallel` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autoparallel import AutoParallel  # noqa: E402
-from autoparallel.models import Llama, llama_config  # noqa: E402
+from autoparallel import AutoParallel
+from autoparallel.models import Llama, llama_config
 
 GLOBAL_BATCH, SEQ = 8, 32
 
@@ -52,7 +52,9 @@ def token_batch(step: int, vocab: int) -> torch.Tensor:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
@@ -68,7 +70,9 @@ def main() -> int:
                 )
             return 1
         if GLOBAL_BATCH % world_size:
-            raise SystemExit(f"the global batch ({GLOBAL_BATCH}) must divide evenly over {world_size} ranks")
+            raise SystemExit(
+                f"the global batch ({GLOBAL_BATCH}) must divide evenly over {world_size} ranks"
+            )
         train(args, device, rank, world_size)
         return 0
     finally:
@@ -94,7 +98,9 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world_size:
     parallel.init_weights(seed=0)
     if rank == 0:
         sharded = sum(any(p.is_shard() for p in pl) for pl in plan.param_placements.values())
-        print(f"plan: {sharded} of {len(plan.param_placements)} parameters sharded over {world_size} ranks")
+        print(
+            f"plan: {sharded} of {len(plan.param_placements)} parameters sharded over {world_size} ranks"
+        )
 
     optimizer = torch.optim.AdamW(parallel.parameters(), lr=args.lr)
     rows = GLOBAL_BATCH // world_size
@@ -107,7 +113,10 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world_size:
         # the ranks' losses. Normalizing by the global token count makes that sum the
         # global mean loss, so gradients equal the single-device ones.
         global_tokens = GLOBAL_BATCH * targets.shape[1]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / global_tokens
+        loss = (
+            F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            / global_tokens
+        )
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(parallel.parameters(), 1.0)
         optimizer.step()

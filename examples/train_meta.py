@@ -43,16 +43,19 @@ from torch.distributed.tensor import Replicate, Shard
 if __package__ in (None, ""):  # run from a checkout: make `autoparallel` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autoparallel import AutoParallel, Plan, autoparallel_backend  # noqa: E402
-from autoparallel.models import Llama, llama_config  # noqa: E402
-from autoparallel.strategies.types import placement_str  # noqa: E402
+from autoparallel import AutoParallel, Plan, autoparallel_backend
+from autoparallel.models import Llama, llama_config
+from autoparallel.types.placements import placement_str
 
 MESH_SHAPE, MESH_NAMES = (2, 2), ("dp", "tp")
 WORLD_SIZE = MESH_SHAPE[0] * MESH_SHAPE[1]
 CONFIG = llama_config("tiny")  # 2 layers, dim 64, 4 heads (2 kv heads), vocab 256
 GLOBAL_BATCH, SEQ = 8, 32
 MP_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-BATCH_OVER_DP = (Shard(0), Replicate())  # mesh order: dim 0 of the tokens over dp, same on every tp rank
+BATCH_OVER_DP = (
+    Shard(0),
+    Replicate(),
+)  # mesh order: dim 0 of the tokens over dp, same on every tp rank
 LAUNCH = f"OMP_NUM_THREADS=1 torchrun --nproc_per_node {WORLD_SIZE} examples/train_meta.py"
 
 
@@ -99,12 +102,20 @@ def setup() -> tuple[torch.device, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0, help="init_weights seed (ignored with --checkpoint)")
-    parser.add_argument("--checkpoint", metavar="PATH", help="full (unsharded) state dict saved by torch.save")
-    parser.add_argument("--compile", action="store_true", help="torch.compile with autoparallel_backend()")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="init_weights seed (ignored with --checkpoint)"
+    )
+    parser.add_argument(
+        "--checkpoint", metavar="PATH", help="full (unsharded) state dict saved by torch.save"
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile with autoparallel_backend()"
+    )
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
@@ -159,19 +170,31 @@ def train(args: argparse.Namespace, device: torch.device, rank: int) -> None:
         try:
             parallel.load_state_dict(state)  # full tensors: each rank keeps its own shard
         except (RuntimeError, ValueError) as exc:
-            log(rank, f"error: {args.checkpoint} does not fit this example's model (Llama, llama_config('tiny')):\n{exc}")
+            log(
+                rank,
+                f"error: {args.checkpoint} does not fit this example's model (Llama, llama_config('tiny')):\n{exc}",
+            )
             raise SystemExit(2) from None
         parallel.reset_rotary()  # non-persistent buffers are not in a state dict
         log(rank, f"loaded {len(state)} full tensors from {args.checkpoint}")
     else:
         parallel.init_weights(seed=args.seed)
         log(rank, f"initialized with init_weights(seed={args.seed})")
-    local_bytes = sum(p.to_local().numel() * p.to_local().element_size() for p in parallel.parameters())
+    local_bytes = sum(
+        p.to_local().numel() * p.to_local().element_size() for p in parallel.parameters()
+    )
     full_bytes = sum(p.numel() * p.element_size() for p in parallel.parameters())
-    log(rank, f"parameters: {local_bytes:,} bytes on this rank of {full_bytes:,} ({full_bytes / local_bytes:.2f}x less)")
+    log(
+        rank,
+        f"parameters: {local_bytes:,} bytes on this rank of {full_bytes:,} ({full_bytes / local_bytes:.2f}x less)",
+    )
 
     # 6. optional compile (the first step compiles; the plan and gradients are unchanged)
-    run = torch.compile(parallel, backend=autoparallel_backend(), fullgraph=True) if args.compile else parallel
+    run = (
+        torch.compile(parallel, backend=autoparallel_backend(), fullgraph=True)
+        if args.compile
+        else parallel
+    )
 
     # 7. train
     optimizer = torch.optim.AdamW(parallel.parameters(), lr=args.lr)
@@ -187,13 +210,23 @@ def train(args: argparse.Namespace, device: torch.device, rank: int) -> None:
         # losses over the distinct output shards (here: one per dp rank). Normalizing by the
         # global token count makes that sum the global mean loss.
         global_tokens = GLOBAL_BATCH * SEQ
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / global_tokens
+        loss = (
+            F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            / global_tokens
+        )
         loss.backward()
         optimizer.step()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, group=mesh.get_group("dp"))  # tp ranks hold the same rows
-        first = "" if step else (", with compilation" if args.compile else ", with tracing the local graphs")
-        log(rank, f"step {step}: loss {global_loss.item():.4f}  ({1e3 * (time.perf_counter() - start):.0f} ms{first})")
+        first = (
+            ""
+            if step
+            else (", with compilation" if args.compile else ", with tracing the local graphs")
+        )
+        log(
+            rank,
+            f"step {step}: loss {global_loss.item():.4f}  ({1e3 * (time.perf_counter() - start):.0f} ms{first})",
+        )
 
 
 def print_plan(rank: int, plan: Plan, constraints: dict[str, str]) -> None:
@@ -212,8 +245,12 @@ def print_plan(rank: int, plan: Plan, constraints: dict[str, str]) -> None:
         f"comm {totals.comm_us:.1f} + transition {totals.transition_us:.2f}"
     )
     mixed = sum(1 for name in constraints if name.startswith("mixed_precision:"))
-    print(f"  constraints: {len(constraints)} ({mixed} keep a gradient unreduced until it is float32)")
-    print(f"  solver: {plan.solver.status}, {plan.solver.num_variables:,} variables, {plan.solver.time_s:.2f} s")
+    print(
+        f"  constraints: {len(constraints)} ({mixed} keep a gradient unreduced until it is float32)"
+    )
+    print(
+        f"  solver: {plan.solver.status}, {plan.solver.num_variables:,} variables, {plan.solver.time_s:.2f} s"
+    )
 
 
 if __name__ == "__main__":

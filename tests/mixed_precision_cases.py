@@ -19,8 +19,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from autoparallel import AutoParallel
+from autoparallel._testing.harness import full_grads, full_params
 from autoparallel.models import MLP
-from autoparallel.testing import full_grads, full_params
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 DIM, HIDDEN, BATCH = 64, 256, 512
@@ -64,7 +64,9 @@ def _train(model: torch.nn.Module, mesh: Any, loss_scale: float = 1.0) -> dict[s
 
 def train_autoparallel(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world_size,))
-    with AutoParallel(build("meta"), lambda: global_batches()[0], mesh, POLICY, hardware="cpu") as autop:
+    with AutoParallel(
+        build("meta"), lambda: global_batches()[0], mesh, POLICY, hardware="cpu"
+    ) as autop:
         autop.add_input_constraints([(Shard(0),)])
         autop.add_output_constraints([(Shard(0),)])
         autop.add_parameter_memory_constraint()

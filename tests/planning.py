@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoparallel import AutoParallel
-from autoparallel.solver.plan import Plan
+from autoparallel.types.plan import Plan
 
 
 def batch_sharded(mesh_ndim: int) -> tuple:

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel, InputMismatchError, autoparallel_backend
+from autoparallel._testing.harness import full_grads, full_params
 from autoparallel.models import MLP, Llama, llama_config
-from autoparallel.strategies.types import placement_str
-from autoparallel.testing import full_grads, full_params
+from autoparallel.types.placements import placement_str
 
 LLAMA = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512)
 # deep enough that its graph is built from 3- and 4-layer traces (repeated_layers.py)
@@ -63,8 +63,11 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
         if kind == "tp":
             optimizer = autop.sharding_optimizer
             params = optimizer.problem.joint.params
-            column, row = ("w1.weight", "w2.weight") if model_name == "mlp" else (
-                "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight")
+            column, row = (
+                ("w1.weight", "w2.weight")
+                if model_name == "mlp"
+                else ("layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight")
+            )
             optimizer.add_node_constraint(params[column], (Replicate(), Shard(0)))
             optimizer.add_node_constraint(params[row], (Replicate(), Shard(1)))
         plan = autop.optimize_placement()
@@ -79,7 +82,12 @@ def _local_rows(batch: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def train(
-    rank: int, world_size: int, model_name: str, shape: tuple[int, ...], kind: str, compiled: bool = False
+    rank: int,
+    world_size: int,
+    model_name: str,
+    shape: tuple[int, ...],
+    kind: str,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", shape)
     trace_logs: list[str] = []
@@ -90,19 +98,30 @@ def train(
     parallel.to_empty(device="cpu")
     parallel.init_weights(seed=0)
     optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR)
-    run = torch.compile(parallel, backend=autoparallel_backend(), fullgraph=True) if compiled else parallel
+    run = (
+        torch.compile(parallel, backend=autoparallel_backend(), fullgraph=True)
+        if compiled
+        else parallel
+    )
     compiled_logs: list[str] = []
-    compile_logger = logging.getLogger("autoparallel.compile")
+    compile_logger = logging.getLogger("autoparallel.runtime.compile")
     compile_logger.setLevel(logging.INFO)
     compile_logger.addHandler(_Records(compiled_logs))
     reference_out = reference_model(model_name)(global_batches(model_name)[0]).detach()
-    result: dict[str, Any] = {"losses": [], "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()}}
+    result: dict[str, Any] = {
+        "losses": [],
+        "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()},
+    }
     result["layers_traced_once"] = any("identical layers" in message for message in trace_logs)
     result["constrained"] = sorted(
-        placement_str(n.strategy.output) for n in plan.nodes.values() if "sharding_constraint" in n.target
+        placement_str(n.strategy.output)
+        for n in plan.nodes.values()
+        if "sharding_constraint" in n.target
     )
     result["all_reduces"] = sum(
-        1 for _, a in plan.redistributions() if "P" in placement_str(a.src) and "P" not in placement_str(a.dst)
+        1
+        for _, a in plan.redistributions()
+        if "P" in placement_str(a.src) and "P" not in placement_str(a.dst)
     )
     for step, batch in enumerate(global_batches(model_name)):
         local = _local_rows(batch, mesh)
@@ -151,7 +170,10 @@ def inference_and_state(rank: int, world_size: int) -> dict[str, Any]:
     with torch.no_grad():
         output = parallel(_local_rows(batch, mesh))
         expected = _local_rows(reference(batch), mesh)
-    result = {"inference_error": (output - expected).abs().max().item(), "requires_grad": output.requires_grad}
+    result = {
+        "inference_error": (output - expected).abs().max().item(),
+        "requires_grad": output.requires_grad,
+    }
 
     state = parallel.state_dict()
     result["state_is_dtensor"] = all(type(v).__name__ == "DTensor" for v in state.values())
@@ -185,7 +207,14 @@ def init_matches_reference(rank: int, world_size: int) -> float:
     return max((gathered[name] - p).abs().max().item() for name, p in reference.named_parameters())
 
 
-__all__ = ["train", "inference_and_state", "init_matches_reference", "global_batches", "reference_model", "simple_api"]
+__all__ = [
+    "train",
+    "inference_and_state",
+    "init_matches_reference",
+    "global_batches",
+    "reference_model",
+    "simple_api",
+]
 
 
 def simple_api(rank: int, world_size: int) -> float:
@@ -198,7 +227,12 @@ def simple_api(rank: int, world_size: int) -> float:
     batch = global_batches("mlp")[0]
     sample = DTensor.from_local(_local_rows(batch, mesh), mesh, [Shard(0)], run_check=False)
     parallel = auto_parallel(
-        build("mlp"), mesh, sample, out_shardings=(Shard(0),), parameter_memory_budget=(None, None), hardware="cpu"
+        build("mlp"),
+        mesh,
+        sample,
+        out_shardings=(Shard(0),),
+        parameter_memory_budget=(None, None),
+        hardware="cpu",
     )
     parallel.to_empty(device="cpu")
     parallel.init_weights(seed=0)
@@ -221,8 +255,13 @@ def dynamic_batch_sizes(rank: int, world_size: int) -> dict[int, tuple[float, fl
     planned = global_batches("llama")[0]
     sample = DTensor.from_local(_local_rows(planned, mesh), mesh, [Shard(0)], run_check=False)
     parallel = auto_parallel(
-        build("llama"), mesh, sample, out_shardings=(Shard(0),), parameter_memory_budget=(None, None),
-        hardware="cpu", dynamic=True,
+        build("llama"),
+        mesh,
+        sample,
+        out_shardings=(Shard(0),),
+        parameter_memory_budget=(None, None),
+        hardware="cpu",
+        dynamic=True,
     )
     parallel.to_empty(device="cpu")
     parallel.init_weights(seed=0)
@@ -230,14 +269,18 @@ def dynamic_batch_sizes(rank: int, world_size: int) -> dict[int, tuple[float, fl
     generator = torch.Generator().manual_seed(99)
     errors = {}
     for batch_size in (4, 12, 8):
-        tokens = torch.randint(0, LLAMA.vocab_size, (batch_size, planned.shape[1]), generator=generator)
+        tokens = torch.randint(
+            0, LLAMA.vocab_size, (batch_size, planned.shape[1]), generator=generator
+        )
         output = parallel(_local_rows(tokens, mesh))
         (output.float().pow(2).sum() / (output.numel() * world_size)).backward()
         grads = full_grads(parallel)
         expected = reference(tokens)
         expected.float().pow(2).mean().backward()
         output_error = (output - _local_rows(expected.detach(), mesh)).abs().max().item()
-        grad_error = max((grads[name] - p.grad).abs().max().item() for name, p in reference.named_parameters())
+        grad_error = max(
+            (grads[name] - p.grad).abs().max().item() for name, p in reference.named_parameters()
+        )
         errors[batch_size] = (output_error, grad_error)
         parallel.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
@@ -250,8 +293,13 @@ def plan_is_shared(rank: int, world_size: int) -> dict[str, Any]:
     with AutoParallel(build("mlp"), lambda: torch.empty(64, 64), mesh, hardware="cpu") as autop:
         autop.add_input_constraints([(Shard(0),)])
         plan = autop.optimize_placement()
-        solved_here = autop.sharding_optimizer._solution is not None  # only the solving rank has one
-    return {"solved_here": solved_here, "placements": {k: placement_str(v) for k, v in plan.param_placements.items()}}
+        solved_here = (
+            autop.sharding_optimizer._solution is not None
+        )  # only the solving rank has one
+    return {
+        "solved_here": solved_here,
+        "placements": {k: placement_str(v) for k, v in plan.param_placements.items()},
+    }
 
 
 def route_is_executed(rank: int, world_size: int) -> dict[str, Any]:
@@ -263,9 +311,9 @@ def route_is_executed(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from autoparallel.cost import redistribution_route
+    from autoparallel.cost.topology import Topology
     from autoparallel.runtime.executor import redistribute_along
-    from autoparallel.shapes import TensorInfo
-    from autoparallel.topology import Topology
+    from autoparallel.types.tensors import TensorInfo
 
     mesh = init_device_mesh("cpu", (2, 2))
     coordinate = mesh.get_coordinate()
@@ -277,7 +325,12 @@ def route_is_executed(rank: int, world_size: int) -> dict[str, Any]:
     exact = sum(everyone[row * 2 + coordinate[1]] for row in range(2))
     value = DTensor.from_local(local, mesh, (Partial(), Replicate()), run_check=False)
     topology = Topology((2, 2), "h100", gpus_per_node=2)
-    route = redistribution_route(TensorInfo((1024, 256), torch.float32), (Partial(), Replicate()), (Replicate(), Replicate()), topology)
+    route = redistribution_route(
+        TensorInfo((1024, 256), torch.float32),
+        (Partial(), Replicate()),
+        (Replicate(), Replicate()),
+        topology,
+    )
     with CommDebugMode() as comms:
         result = redistribute_along(value, route[1:-1], (Replicate(), Replicate()))
     counts = {str(op): n for op, n in comms.get_comm_counts().items()}
@@ -299,18 +352,28 @@ def gradients_reduced_together(rank: int, world_size: int) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(rank)
-    cases = [((3, 5), Replicate()), ((7,), Replicate()), ((4, 6), Shard(0)), ((8,), Shard(0)),
-             ((2, 6), Shard(1)), ((3, 2), Shard(0))]  # the last does not divide evenly
+    cases = [
+        ((3, 5), Replicate()),
+        ((7,), Replicate()),
+        ((4, 6), Shard(0)),
+        ((8,), Shard(0)),
+        ((2, 6), Shard(1)),
+        ((3, 2), Shard(0)),
+    ]  # the last does not divide evenly
     values = [DTensor.from_local(torch.randn(shape), mesh, (Partial(),)) for shape, _ in cases]
     targets = [(target,) for _, target in cases]
-    expected = [value.redistribute(mesh, target).to_local() for value, target in zip(values, targets)]
+    expected = [
+        value.redistribute(mesh, target).to_local() for value, target in zip(values, targets)
+    ]
     with CommDebugMode() as comms:
         coalescable = reduce_gradients(values[:4], [()] * 4, targets[:4], mesh)
     everything = reduce_gradients(values, [()] * len(values), targets, mesh)
     return {
         "comms": {str(op): count for op, count in comms.get_comm_counts().items()},
         "error": max((got - want).abs().max().item() for got, want in zip(everything, expected)),
-        "coalescable_error": max((got - want).abs().max().item() for got, want in zip(coalescable, expected)),
+        "coalescable_error": max(
+            (got - want).abs().max().item() for got, want in zip(coalescable, expected)
+        ),
         "shapes_match": all(got.shape == want.shape for got, want in zip(everything, expected)),
     }
 
@@ -325,10 +388,19 @@ def parameters_gathered_by_layer(rank: int, world_size: int) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)  # the same full tensors on every rank
-    specs = {"layers.0.a": ((4, 6), Shard(0)), "layers.0.b": ((6, 4), Shard(1)), "layers.1.a": ((4, 6), Shard(0)),
-             "layers.1.b": ((6, 4), Shard(1)), "norm": ((8,), Shard(0)), "odd": ((3, 2), Shard(0))}
+    specs = {
+        "layers.0.a": ((4, 6), Shard(0)),
+        "layers.0.b": ((6, 4), Shard(1)),
+        "layers.1.a": ((4, 6), Shard(0)),
+        "layers.1.b": ((6, 4), Shard(1)),
+        "norm": ((8,), Shard(0)),
+        "odd": ((3, 2), Shard(0)),
+    }
     full = {name: torch.randn(shape) for name, (shape, _) in specs.items()}
-    env = {name: distribute_tensor(full[name], mesh, (placement,)) for name, (_, placement) in specs.items()}
+    env = {
+        name: distribute_tensor(full[name], mesh, (placement,))
+        for name, (_, placement) in specs.items()
+    }
     wanted = (Replicate(),)
     groups = {
         (name, wanted): plan_gather(name, (placement,), wanted, shape, torch.float32, (world_size,))
@@ -338,15 +410,21 @@ def parameters_gathered_by_layer(rank: int, world_size: int) -> dict[str, Any]:
     members: dict = {}
     for key, group in group_of.items():
         members.setdefault(group, []).append(key)
-    plan = GatherPlan(group_of, {k: 1 for k in group_of}, members)  # the root group of one kept on purpose
+    plan = GatherPlan(
+        group_of, {k: 1 for k in group_of}, members
+    )  # the root group of one kept on purpose
     gathers = ParameterGathers(plan, mesh)
     with CommDebugMode() as comms:
         gathered = {name: gathers.take(name, wanted, env) for name, _ in plan.group_of}
     return {
         "groups": sorted({g.layer for g in plan.group_of.values()}),
         "uneven_planned": groups[("odd", wanted)] is not None,
-        "all_gathers": sum(n for op, n in comms.get_comm_counts().items() if "all_gather" in str(op)),
-        "error": max((gathered[name].to_local() - full[name]).abs().max().item() for name in gathered),
+        "all_gathers": sum(
+            n for op, n in comms.get_comm_counts().items() if "all_gather" in str(op)
+        ),
+        "error": max(
+            (gathered[name].to_local() - full[name]).abs().max().item() for name in gathered
+        ),
         "placements": sorted({str(tuple(value.placements)) for value in gathered.values()}),
         "released": not gathers.ready,
     }

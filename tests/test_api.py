@@ -98,7 +98,11 @@ def test_input_fn_may_return_kwargs(fake_mesh):
 
     mesh = fake_mesh((2,))
     model = meta(TwoInputs)
-    with AutoParallel(model, lambda: {"args": (torch.randn(8, 16),), "kwargs": {"scale": torch.randn(8, 16)}}, mesh) as autop:
+    with AutoParallel(
+        model,
+        lambda: {"args": (torch.randn(8, 16),), "kwargs": {"scale": torch.randn(8, 16)}},
+        mesh,
+    ) as autop:
         autop.add_input_constraints([(Shard(0),), (Shard(0),)])
         plan = autop.optimize_placement()
     assert plan.input_placements == [(Shard(0),), (Shard(0),)]
@@ -118,7 +122,9 @@ def test_one_producer_feeding_two_arguments_is_priced_per_argument(fake_mesh):
     with AutoParallel(meta(Square), lambda: torch.randn(8, 16), mesh) as autop:
         autop.add_input_constraints([(Shard(0),)])
         plan = autop.optimize_placement()
-    mul = next(n for n in plan.nodes.values() if n.target == "aten.mul.Tensor" and n.phase == "forward")
+    mul = next(
+        n for n in plan.nodes.values() if n.target == "aten.mul.Tensor" and n.phase == "forward"
+    )
     args = [a for a in mul.arguments if a.kind == "arg"]
     assert [a.slot for a in args] == [0, 1]
     assert args[0].producer == args[1].producer

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from autoparallel.cli import main
+from autoparallel.cli.plan import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,8 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 def _plan(*args: str) -> None:
     common = ["plan", "--model", "tiny", "--mesh", "2", "--batch", "8", "--seq", "32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "autoparallel.cli", *common, *args],
-                            capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "autoparallel.cli", *common, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -38,10 +44,22 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("plans")
     (root / "saved").mkdir()
     _plan("--out", str(root / "fsdp.json"))
-    _plan("--mesh-names", "tp", "--memory-budget", "none", "--out", str(root / "ddp.json"),
-          "--save", str(root / "saved" / "ddp.npz"))
-    return {"fsdp.json": root / "fsdp.json", "fsdp.npz": root / "fsdp.npz",
-            "ddp.json": root / "ddp.json", "ddp.npz": root / "saved" / "ddp.npz"}
+    _plan(
+        "--mesh-names",
+        "tp",
+        "--memory-budget",
+        "none",
+        "--out",
+        str(root / "ddp.json"),
+        "--save",
+        str(root / "saved" / "ddp.npz"),
+    )
+    return {
+        "fsdp.json": root / "fsdp.json",
+        "fsdp.npz": root / "fsdp.npz",
+        "ddp.json": root / "ddp.json",
+        "ddp.npz": root / "saved" / "ddp.npz",
+    }
 
 
 def _run(capsys, *args: object) -> tuple[int, str, str]:
@@ -128,10 +146,14 @@ def test_old_and_invalid_plan_json_exit_2(tmp_path, capsys):
     junk.write_text("not json {")
     assert "is not a plan JSON" in _one_line_error(capsys, "explain", junk)
     newer = tmp_path / "newer.json"
-    newer.write_text(json.dumps({"version": 99, "mesh": {"shape": [2]}, "totals": {}, "parameters": []}))
+    newer.write_text(
+        json.dumps({"version": 99, "mesh": {"shape": [2]}, "totals": {}, "parameters": []})
+    )
     assert "schema version 99, newer" in _one_line_error(capsys, "diff", newer, newer)
     old = tmp_path / "old.json"
-    old.write_text(json.dumps({"version": 0, "mesh": {"shape": [2]}, "totals": {}, "parameters": []}))
+    old.write_text(
+        json.dumps({"version": 0, "mesh": {"shape": [2]}, "totals": {}, "parameters": []})
+    )
     assert "schema version 0" in _one_line_error(capsys, "explain", old)
     partial = tmp_path / "partial.json"
     partial.write_text(json.dumps({"version": 1, "mesh": {"shape": [2]}}))
@@ -164,4 +186,6 @@ def test_bad_saved_arguments_exit_2(plans, tmp_path, capsys):
     assert "--placement" in _one_line_error(capsys, "explain", plans["fsdp.json"], "--node", "mm")
     assert "--costs" in _one_line_error(capsys, "explain", plans["fsdp.json"], "--arg", "1")
     assert "1-D mesh" in _one_line_error(capsys, "explain", plans["fsdp.json"], "--placement", "RR")
-    assert "--costs nope" in _one_line_error(capsys, "explain", plans["fsdp.npz"], "--costs", "nope")
+    assert "--costs nope" in _one_line_error(
+        capsys, "explain", plans["fsdp.npz"], "--costs", "nope"
+    )

@@ -20,8 +20,16 @@ from autoparallel.cost import (
     reduce_scatter_us,
     transition_cost_us,
 )
-from autoparallel.shapes import TensorInfo
-from autoparallel.topology import A100, CPU, H100, HARDWARE_PRESETS, Hardware, Topology, get_hardware
+from autoparallel.cost.topology import (
+    A100,
+    CPU,
+    H100,
+    HARDWARE_PRESETS,
+    Hardware,
+    Topology,
+    get_hardware,
+)
+from autoparallel.types.tensors import TensorInfo
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
@@ -80,7 +88,9 @@ def test_inter_node_dims(mesh_shape, gpus_per_node, expected) -> None:
     for d, inter in enumerate(expected):
         hw = topo.hardware
         assert topo.bandwidth(d) == (hw.inter_node_bandwidth if inter else hw.intra_node_bandwidth)
-        assert topo.latency_us(d) == (hw.inter_node_latency_us if inter else hw.intra_node_latency_us)
+        assert topo.latency_us(d) == (
+            hw.inter_node_latency_us if inter else hw.intra_node_latency_us
+        )
 
 
 @pytest.mark.parametrize(
@@ -148,17 +158,27 @@ def test_identity_redistribution_is_exactly_zero() -> None:
 def test_shard_to_replicate_is_an_all_gather_of_the_full_tensor() -> None:
     topo = Topology((8,))
     t = info(4096, 1024)
-    assert redistribution_cost_us(t, (Shard(0),), (R,), topo) == pytest.approx(all_gather_us(t.nbytes, 0, topo))
-    assert redistribution_cost_us(t, (P,), (R,), topo) == pytest.approx(all_reduce_us(t.nbytes, 0, topo))
-    assert redistribution_cost_us(t, (P,), (Shard(1),), topo) == pytest.approx(reduce_scatter_us(t.nbytes, 0, topo))
+    assert redistribution_cost_us(t, (Shard(0),), (R,), topo) == pytest.approx(
+        all_gather_us(t.nbytes, 0, topo)
+    )
+    assert redistribution_cost_us(t, (P,), (R,), topo) == pytest.approx(
+        all_reduce_us(t.nbytes, 0, topo)
+    )
+    assert redistribution_cost_us(t, (P,), (Shard(1),), topo) == pytest.approx(
+        reduce_scatter_us(t.nbytes, 0, topo)
+    )
     per_rank = t.nbytes / 8
-    assert redistribution_cost_us(t, (Shard(0),), (Shard(1),), topo) == pytest.approx(all_to_all_us(per_rank, 0, topo))
+    assert redistribution_cost_us(t, (Shard(0),), (Shard(1),), topo) == pytest.approx(
+        all_to_all_us(per_rank, 0, topo)
+    )
 
 
 def test_partial_to_shard_cheaper_than_partial_to_replicate() -> None:
     topo = Topology((8,))
     t = info(4096, 4096)
-    assert redistribution_cost_us(t, (P,), (Shard(0),), topo) < redistribution_cost_us(t, (P,), (R,), topo)
+    assert redistribution_cost_us(t, (P,), (Shard(0),), topo) < redistribution_cost_us(
+        t, (P,), (R,), topo
+    )
 
 
 def test_local_transitions_are_free() -> None:
@@ -185,7 +205,9 @@ def test_a_partial_is_reached_through_replicate() -> None:
     topo = Topology((2, 4))
     t = info(64, 64)
     assert redistribution_route(t, (R, Shard(0)), (R, P), topo) == [(R, Shard(0)), (R, R), (R, P)]
-    assert redistribution_cost_us(t, (R, Shard(0)), (R, P), topo) == pytest.approx(all_gather_us(t.nbytes, 1, topo))
+    assert redistribution_cost_us(t, (R, Shard(0)), (R, P), topo) == pytest.approx(
+        all_gather_us(t.nbytes, 1, topo)
+    )
 
 
 def test_hierarchical_all_reduce_beats_the_direct_one() -> None:
@@ -222,8 +244,13 @@ def test_two_dim_mesh_cost_is_sum_of_steps_by_hand() -> None:
     t = info(1024, 1024)
     itemsize = 2
     hw = topo.hardware
-    step0 = 1 * hw.inter_node_latency_us + 0.5 * (1024 * 256 * itemsize) / hw.inter_node_bandwidth * 1e6
-    step1 = 3 * hw.intra_node_latency_us + 0.75 * (1024 * 1024 * itemsize) / hw.intra_node_bandwidth * 1e6
+    step0 = (
+        1 * hw.inter_node_latency_us + 0.5 * (1024 * 256 * itemsize) / hw.inter_node_bandwidth * 1e6
+    )
+    step1 = (
+        3 * hw.intra_node_latency_us
+        + 0.75 * (1024 * 1024 * itemsize) / hw.intra_node_bandwidth * 1e6
+    )
     got = redistribution_cost_us(t, (Shard(0), Shard(1)), (R, R), topo)
     assert got == pytest.approx(step0 + step1)
 
@@ -236,7 +263,9 @@ def test_shrinking_steps_run_before_collectives() -> None:
     assert got == pytest.approx(reduce_scatter_us(t.nbytes / 4, 0, topo))
     # (P, S(0)) -> (R, R): all-reduce on the sharded buffer before gathering.
     got = redistribution_cost_us(t, (P, Shard(0)), (R, R), topo)
-    assert got == pytest.approx(all_reduce_us(t.nbytes / 4, 0, topo) + all_gather_us(t.nbytes, 1, topo))
+    assert got == pytest.approx(
+        all_reduce_us(t.nbytes / 4, 0, topo) + all_gather_us(t.nbytes, 1, topo)
+    )
 
 
 def test_redistribution_rejects_wrong_placement_length() -> None:
@@ -322,10 +351,24 @@ def test_sdpa_flops_including_cpu_variant() -> None:
     q = info(b, h, s, d)
     lse = info(b, h, s, dtype=torch.float32)
     expected_fwd = 4 * b * h * s * s * d / H100.flops_bf16 * 1e6
-    cpu_fwd = compute_cost_us(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {}, (q, lse), H100)
+    cpu_fwd = compute_cost_us(
+        aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {}, (q, lse), H100
+    )
     assert cpu_fwd == pytest.approx(expected_fwd)
-    cuda_out = (q, lse, None, None, s, s, info(2, dtype=torch.int64), info(dtype=torch.int64), info(0))
-    cuda_fwd = compute_cost_us(aten._scaled_dot_product_flash_attention.default, (q, q, q), {}, cuda_out, H100)
+    cuda_out = (
+        q,
+        lse,
+        None,
+        None,
+        s,
+        s,
+        info(2, dtype=torch.int64),
+        info(dtype=torch.int64),
+        info(0),
+    )
+    cuda_fwd = compute_cost_us(
+        aten._scaled_dot_product_flash_attention.default, (q, q, q), {}, cuda_out, H100
+    )
     assert cuda_fwd == pytest.approx(expected_fwd)
     cpu_bwd = compute_cost_us(
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
@@ -338,7 +381,13 @@ def test_sdpa_flops_including_cpu_variant() -> None:
     # Sharding heads divides the cost.
     qh = info(b, h // 4, s, d)
     lse_h = info(b, h // 4, s, dtype=torch.float32)
-    sharded = compute_cost_us(aten._scaled_dot_product_flash_attention_for_cpu.default, (qh, qh, qh), {}, (qh, lse_h), H100)
+    sharded = compute_cost_us(
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        (qh, qh, qh),
+        {},
+        (qh, lse_h),
+        H100,
+    )
     assert sharded == pytest.approx(expected_fwd / 4)
 
 
@@ -382,7 +431,11 @@ def test_pair_pricer_prices_the_cheapest_route_of_single_steps() -> None:
     from autoparallel.cost import PairPricer
 
     topology = Topology((2, 4, 3), H100, gpus_per_node=4)
-    for tensor in (info(8, 12, 6), info(6, 5, 7, dtype=torch.float32), info(24, 8, 9, dtype=torch.int64)):
+    for tensor in (
+        info(8, 12, 6),
+        info(6, 5, 7, dtype=torch.float32),
+        info(24, 8, 9, dtype=torch.int64),
+    ):
         singles = [R, P, Shard(0), Shard(1), Shard(2)]
         states = list(itertools.product(singles, repeat=3))
         pricer = PairPricer(tensor, topology)
@@ -398,12 +451,18 @@ def test_pair_pricer_prices_the_cheapest_route_of_single_steps() -> None:
                 assert transition == pytest.approx(ref_steps * TRANSITION_COST_US)
                 route = pricer.route(src, dst)
                 assert route[0] == src and route[-1] == dst and len(route) == ref_steps + 1
-                walked = sum(direct_redistribution_cost_us(tensor, a, b, topology) for a, b in zip(route, route[1:]))
+                walked = sum(
+                    direct_redistribution_cost_us(tensor, a, b, topology)
+                    for a, b in zip(route, route[1:])
+                )
                 assert walked == pytest.approx(comm, rel=1e-9, abs=1e-9)
                 assert all(sum(x != y for x, y in zip(a, b)) == 1 for a, b in zip(route, route[1:]))
         # negative shard dims are the same state; other Partials are priced directly
         assert pricer.price((Shard(-1), R, R), (Shard(2), R, R)) == (0.0, 0.0)
         src, dst = (Partial("max"), R, R), (R, R, R)
-        assert pricer.price(src, dst) == (direct_redistribution_cost_us(tensor, src, dst, topology), transition_cost_us(src, dst))
+        assert pricer.price(src, dst) == (
+            direct_redistribution_cost_us(tensor, src, dst, topology),
+            transition_cost_us(src, dst),
+        )
     with pytest.raises(ValueError):
         PairPricer(info(8, 8), topology).price((R,), (R, R, R))

@@ -10,7 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoparallel import AutoParallel, InputMismatchError
 from autoparallel.models import MLP
 from autoparallel.runtime.dynamic import DynamicShapeError, check_same_structure
-from autoparallel.trace import trace_joint
+from autoparallel.trace.export import trace_joint
 
 DP = (Shard(0), Replicate())
 
@@ -29,12 +29,19 @@ def test_a_size_the_plan_does_not_divide_is_a_clear_error(fake_mesh):
     parallel = _parallel(fake_mesh, True, hidden_placements=(Shard(0), Shard(0)))
     runtime = parallel._autoparallel
     local = torch.empty(3, 16, device="meta")  # global batch 6
-    with pytest.raises(DynamicShapeError, match=r"global shape \(6, 32\) laid out S\(0\)S\(0\): dim 0 is 6, not a multiple of 4"):
+    with pytest.raises(
+        DynamicShapeError,
+        match=r"global shape \(6, 32\) laid out S\(0\)S\(0\): dim 0 is 6, not a multiple of 4",
+    ):
         runtime.for_inputs([local], runtime.joint.in_spec)
-    other = runtime.for_inputs([torch.empty(6, 16, device="meta")], runtime.joint.in_spec)  # global 12: fine
+    other = runtime.for_inputs(
+        [torch.empty(6, 16, device="meta")], runtime.joint.in_spec
+    )  # global 12: fine
     assert other is not runtime
     assert tuple(other.joint.user_inputs[0].meta["val"].shape) == (12, 16)
-    assert runtime.for_inputs([torch.empty(6, 16, device="meta")], runtime.joint.in_spec) is other  # traced once
+    assert (
+        runtime.for_inputs([torch.empty(6, 16, device="meta")], runtime.joint.in_spec) is other
+    )  # traced once
 
 
 def test_without_dynamic_another_size_is_an_input_mismatch(fake_mesh):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 import torch
@@ -16,9 +16,9 @@ from planning import Partial, Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.explain import CHOSEN, CHOSEN_CHEAPER, TARGET_CHEAPER, TIE, UNAVAILABLE
+from autoparallel.files.plan_json import collective_kind, module_of_parameter, owner_of_parameter
 from autoparallel.models import MLP, Llama, llama_config
-from autoparallel.report_data import collective_kind, module_of_parameter, owner_of_parameter
-from autoparallel.strategies.types import placement_str
+from autoparallel.types.placements import placement_str
 
 BATCH_SHARDED = [(Shard(0),)]
 
@@ -27,7 +27,9 @@ BATCH_SHARDED = [(Shard(0),)]
 def solved_mlp(mesh, memory: bool = True) -> Iterator[AutoParallel]:
     """AutoParallel for the MLP of test_plan_mlp (batch-sharded in and out), solved once:
     FSDP-like with the memory constraint, DDP-like without."""
-    with AutoParallel(meta(lambda: MLP(1024, 4096)), lambda: torch.randn(8192, 1024), mesh) as autop:
+    with AutoParallel(
+        meta(lambda: MLP(1024, 4096)), lambda: torch.randn(8192, 1024), mesh
+    ) as autop:
         autop.add_input_constraints(BATCH_SHARDED)
         autop.add_output_constraints(BATCH_SHARDED)
         if memory:
@@ -61,13 +63,19 @@ def test_explain_placement_statuses_on_fsdp_mlp(fake_mesh, caplog):
             elif row.status == TIE:
                 assert row.target_us == pytest.approx(row.chosen_us, rel=1e-6)
             else:
-                assert row.status == (CHOSEN_CHEAPER if row.chosen_us < row.target_us else TARGET_CHEAPER)
+                assert row.status == (
+                    CHOSEN_CHEAPER if row.chosen_us < row.target_us else TARGET_CHEAPER
+                )
         # FSDP: every parameter is sharded (which dim is a tie the solver breaks); those on
         # S(0) are CHOSEN, the others cost no less than S(0) locally
         for fqn in ("w1.weight", "w1.bias", "w2.weight", "w2.bias"):
             row = by_name[param_node_name(autop, fqn)]
             assert isinstance(row.chosen[0], Shard)
-            assert row.status == CHOSEN if row.chosen == (Shard(0),) else row.status in (TIE, CHOSEN_CHEAPER)
+            assert (
+                row.status == CHOSEN
+                if row.chosen == (Shard(0),)
+                else row.status in (TIE, CHOSEN_CHEAPER)
+            )
         assert by_name[param_node_name(autop, "w1.bias")].status == CHOSEN
         statuses = {row.status for row in rows}
         assert CHOSEN_CHEAPER in statuses
@@ -96,7 +104,9 @@ def test_explain_placement_unavailable_and_selected_nodes(fake_mesh):
 
 
 def test_explain_placement_needs_a_solution(fake_mesh):
-    with AutoParallel(meta(lambda: MLP(16, 64)), lambda: torch.randn(8, 16), fake_mesh((2,))) as autop:
+    with AutoParallel(
+        meta(lambda: MLP(16, 64)), lambda: torch.randn(8, 16), fake_mesh((2,))
+    ) as autop:
         with pytest.raises(RuntimeError, match="no solution yet"):
             autop.sharding_optimizer.explain_placement((Replicate(),))
         with pytest.raises(RuntimeError, match="no solution yet"):
@@ -123,8 +133,12 @@ def test_print_costs_for_node_marks_the_chosen_pair(fake_mesh, caplog):
         autop.add_input_constraints([(Shard(0), Replicate())])
         plan = autop.optimize_placement()
         optimizer = autop.sharding_optimizer
-        addmm = next(n for n in optimizer.problem.space.nodes if n.target == torch.ops.aten.addmm.default)
-        edge = next(e for e in optimizer.problem.tables.incoming[addmm] if e.kind == "arg" and e.slot == 1)
+        addmm = next(
+            n for n in optimizer.problem.space.nodes if n.target == torch.ops.aten.addmm.default
+        )
+        edge = next(
+            e for e in optimizer.problem.tables.incoming[addmm] if e.kind == "arg" and e.slot == 1
+        )
         with caplog.at_level(logging.INFO, logger="autoparallel.explain"):
             text = optimizer.print_costs_for_node(addmm.name, arg=1)
         assert optimizer.print_costs_for_node(addmm, 1) == text
@@ -140,7 +154,10 @@ def test_print_costs_for_node_marks_the_chosen_pair(fake_mesh, caplog):
             assert cells[r][columns.index(src)].rstrip("*") == "0.00"
     # exactly one chosen pair, and it is the plan's
     starred = [
-        (rows[r], columns[c]) for r, line in enumerate(cells) for c, cell in enumerate(line) if cell.endswith("*")
+        (rows[r], columns[c])
+        for r, line in enumerate(cells)
+        for c, cell in enumerate(line)
+        if cell.endswith("*")
     ]
     argument = next(a for a in plan.nodes[addmm.name].arguments if a.kind == "arg" and a.slot == 1)
     assert starred == [(placement_str(argument.src), placement_str(argument.dst))]
@@ -166,15 +183,21 @@ def test_diff_between_ddp_and_fsdp(fake_mesh):
         fsdp = optimizer.resolve()
         diff = optimizer.diff_solutions(ddp, fsdp)
         assert {p.name for p in diff.parameters} == {"w1.weight", "w1.bias", "w2.weight", "w2.bias"}
-        assert all(p.before == (Replicate(),) and isinstance(p.after[0], Shard) for p in diff.parameters)
+        assert all(
+            p.before == (Replicate(),) and isinstance(p.after[0], Shard) for p in diff.parameters
+        )
         assert diff.delta.comm_us == pytest.approx(fsdp.totals.comm_us - ddp.totals.comm_us)
-        assert diff.delta.compute_us == pytest.approx(fsdp.totals.compute_us - ddp.totals.compute_us)
+        assert diff.delta.compute_us == pytest.approx(
+            fsdp.totals.compute_us - ddp.totals.compute_us
+        )
         assert diff.delta.total_us == pytest.approx(fsdp.totals.total_us - ddp.totals.total_us)
         # the unconstrained plan is optimal, so the constrained one cannot be cheaper
         assert diff.delta.total_us >= -1e-4 * ddp.totals.total_us
         assert diff.moves[("R", "S(0)")] + diff.moves.get(("R", "S(1)"), 0) >= 4
         assert diff.num_moved == sum(
-            1 for name, node in ddp.nodes.items() if node.strategy.output != fsdp.nodes[name].strategy.output
+            1
+            for name, node in ddp.nodes.items()
+            if node.strategy.output != fsdp.nodes[name].strategy.output
         )
         text = str(diff)
         assert any(f"{p.name}  R -> S(" in text for p in diff.parameters)
@@ -228,7 +251,9 @@ def test_prefetch_discount_touches_only_forward_parameter_gathers(fake_mesh):
                 while producer not in params:
                     (producer,) = producer.all_input_nodes
                 assert isinstance(move.src[0], Shard) and isinstance(move.dst[0], Replicate)
-                assert problem.objective[move.column] == pytest.approx(before[move.column] - move.comm_us)
+                assert problem.objective[move.column] == pytest.approx(
+                    before[move.column] - move.comm_us
+                )
 
 
 # ---------------------------------------------------------------------------- JSON
@@ -251,7 +276,11 @@ def test_get_json_of_fsdp_mlp(fake_mesh):
         assert set(params) == set(plan.param_placements)
         weight = params["w1.weight"]
         # sharded over the mesh (S(0) or S(1) cost the same: the solver breaks that tie)
-        assert weight["shape"] == [4096, 1024] and weight["dtype"] == "float32" and weight["placements"] in ("S(0)", "S(1)")
+        assert (
+            weight["shape"] == [4096, 1024]
+            and weight["dtype"] == "float32"
+            and weight["placements"] in ("S(0)", "S(1)")
+        )
         assert weight["placements"] == placement_str(plan.param_placements["w1.weight"])
         assert weight["bytes_per_device"] == 4096 * 1024 * 4 // 4 and weight["module"] == "w1"
         assert data["inputs"] == [{"index": 0, "shape": [8192, 1024], "placements": "S(0)"}]
@@ -268,12 +297,18 @@ def test_get_json_of_fsdp_mlp(fake_mesh):
         gathers = [c for c in data["collectives"] if c["kind"] == "all_gather"]
         assert any(c["phase"] == "forward" for c in gathers)
         assert all(c["mesh_dims"] == [0] and c["module"] in ("w1", "w2") for c in gathers)
-        assert {c["phase"] for c in data["collectives"] if c["kind"] == "reduce_scatter"} == {"backward"}
+        assert {c["phase"] for c in data["collectives"] if c["kind"] == "reduce_scatter"} == {
+            "backward"
+        }
         layers = {layer["module"]: layer for layer in data["layers"]}
         assert [layer["module"] for layer in data["layers"]] == sorted(layers)
         assert {"w1", "w2"} <= set(layers)
-        assert sum(layer["compute_us"] for layer in data["layers"]) == pytest.approx(plan.totals.compute_us)
-        assert sum(layer["comm_us"] for layer in data["layers"]) == pytest.approx(plan.totals.comm_us)
+        assert sum(layer["compute_us"] for layer in data["layers"]) == pytest.approx(
+            plan.totals.compute_us
+        )
+        assert sum(layer["comm_us"] for layer in data["layers"]) == pytest.approx(
+            plan.totals.comm_us
+        )
         assert data["fallbacks"] == []
         assert set(data["constraints"]) == {"input:0", "output:0", "parameter_memory"}
 
@@ -290,7 +325,12 @@ def test_get_json_attributes_llama_nodes_to_layers(fake_mesh):
         data = autop.sharding_optimizer.get_json()
     json.dumps(data)
     modules = {layer["module"] for layer in data["layers"]}
-    for name in ("layers.0.attention", "layers.0.feed_forward", "layers.1.attention", "layers.1.feed_forward"):
+    for name in (
+        "layers.0.attention",
+        "layers.0.feed_forward",
+        "layers.1.attention",
+        "layers.1.feed_forward",
+    ):
         assert name in modules
     assert {"tok_embeddings", "output"} <= modules
     params = {p["name"]: p for p in data["parameters"]}

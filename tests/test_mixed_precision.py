@@ -20,16 +20,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoparallel import AutoParallel
-from autoparallel.mixed_precision import MixedPrecisionModule
+from autoparallel._testing.harness import reference_training, run_distributed
 from autoparallel.models import MLP
-from autoparallel.testing import reference_training, run_distributed
+from autoparallel.trace.mixed_precision import MixedPrecisionModule
 
 BF16_TOLERANCE = 2e-2
 
 
 def _plan_fsdp(fake_mesh, policy, batch=4096):
     mesh = fake_mesh((4,))
-    with AutoParallel(meta(lambda: MLP(256, 1024)), lambda: torch.empty(batch, 256), mesh, policy) as autop:
+    with AutoParallel(
+        meta(lambda: MLP(256, 1024)), lambda: torch.empty(batch, 256), mesh, policy
+    ) as autop:
         autop.add_input_constraints([(Shard(0),)])
         autop.add_output_constraints([(Shard(0),)])
         autop.add_parameter_memory_constraint()
@@ -47,7 +49,11 @@ def _gathers_and_reductions(autop, plan):
     for consumer, arg in plan.redistributions():
         src, dst = arg.src[0], arg.dst[0]
         dtype = _dtype_of(autop, arg.producer)
-        if isinstance(src, Shard) and isinstance(dst, Replicate) and plan.nodes[consumer].phase == "forward":
+        if (
+            isinstance(src, Shard)
+            and isinstance(dst, Replicate)
+            and plan.nodes[consumer].phase == "forward"
+        ):
             gathers.append(dtype)
         if isinstance(src, Partial) and not isinstance(dst, Partial):
             reductions.append((dtype, arg.kind))
@@ -57,7 +63,10 @@ def _gathers_and_reductions(autop, plan):
 def test_parameters_are_cast_before_they_are_gathered(fake_mesh):
     autop, plan = _plan_fsdp(fake_mesh, POLICY)
     assert isinstance(plan.param_placements["w1.weight"][0], Shard)  # stored sharded, in float32
-    assert _dtype_of(autop, autop.sharding_optimizer.problem.joint.params["w1.weight"].name) == torch.float32
+    assert (
+        _dtype_of(autop, autop.sharding_optimizer.problem.joint.params["w1.weight"].name)
+        == torch.float32
+    )
     gathers, reductions = _gathers_and_reductions(autop, plan)
     assert gathers and set(gathers) == {torch.bfloat16}
     param_grad_reductions = [dtype for dtype, kind in reductions if kind == "param_grad"]
@@ -79,7 +88,9 @@ def test_gradients_are_reduced_in_reduce_dtype_only_because_of_the_policy(fake_m
 def test_bf16_reduce_policy_needs_no_constraint(fake_mesh):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     autop, plan = _plan_fsdp(fake_mesh, policy)
-    assert not [n for n in autop.sharding_optimizer.constraints() if n.startswith("mixed_precision:")]
+    assert not [
+        n for n in autop.sharding_optimizer.constraints() if n.startswith("mixed_precision:")
+    ]
     _, reductions = _gathers_and_reductions(autop, plan)
     assert {dtype for dtype, kind in reductions if kind != "output"} == {torch.bfloat16}
 
@@ -93,9 +104,19 @@ def test_mixed_precision_costs_less_communication_than_float32(fake_mesh):
 def test_bad_policy_is_rejected(fake_mesh):
     mesh = fake_mesh((2,))
     with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
-        AutoParallel(meta(lambda: MLP(8, 16)), lambda: torch.empty(4, 8), mesh, {"param_dtype": torch.bfloat16})
+        AutoParallel(
+            meta(lambda: MLP(8, 16)),
+            lambda: torch.empty(4, 8),
+            mesh,
+            {"param_dtype": torch.bfloat16},
+        )
     with pytest.raises(ValueError, match="floating dtype"):
-        AutoParallel(meta(lambda: MLP(8, 16)), lambda: torch.empty(4, 8), mesh, MixedPrecisionPolicy(param_dtype=torch.int32))
+        AutoParallel(
+            meta(lambda: MLP(8, 16)),
+            lambda: torch.empty(4, 8),
+            mesh,
+            MixedPrecisionPolicy(param_dtype=torch.int32),
+        )
 
 
 def _reference():
@@ -105,7 +126,9 @@ def _reference():
         return MixedPrecisionModule(model, POLICY)
 
     batches = global_batches()
-    result = reference_training(factory, batches, STEPS, LR, loss_fn=lambda out, batch: loss_of(out, batch.numel()))
+    result = reference_training(
+        factory, batches, STEPS, LR, loss_fn=lambda out, batch: loss_of(out, batch.numel())
+    )
     result["params"] = {k.removeprefix("module."): v for k, v in result["params"].items()}
     result["grads"] = {k.removeprefix("module."): v for k, v in result["grads"].items()}
     return result
@@ -138,11 +161,20 @@ def test_auto_parallel_takes_the_policy_too(fake_mesh):
 
     mesh = fake_mesh((4,))
     sample = torch.empty(4096, 256)
-    parallel = auto_parallel(meta(lambda: MLP(256, 1024)), mesh, sample, out_shardings=(Shard(0),),
-                             mp_policy=POLICY, parameter_memory_budget=(None, None))
+    parallel = auto_parallel(
+        meta(lambda: MLP(256, 1024)),
+        mesh,
+        sample,
+        out_shardings=(Shard(0),),
+        mp_policy=POLICY,
+        parameter_memory_budget=(None, None),
+    )
     runtime = parallel._autoparallel
     nodes = {n.name: n for n in runtime.joint.graph.nodes}
-    gathered = {nodes[a.producer].meta["val"].dtype for _, a in runtime.plan.redistributions()
-                if isinstance(a.src[0], Shard) and isinstance(a.dst[0], Replicate)}
+    gathered = {
+        nodes[a.producer].meta["val"].dtype
+        for _, a in runtime.plan.redistributions()
+        if isinstance(a.src[0], Shard) and isinstance(a.dst[0], Replicate)
+    }
     assert torch.bfloat16 in gathered
     assert {p.dtype for p in parallel.parameters()} == {torch.float32}

@@ -18,7 +18,6 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch._aot_autograd.descriptors import (
     BufferAOTInput,
     GradAOTOutput,
@@ -27,15 +26,10 @@ from torch._functorch._aot_autograd.descriptors import (
     PlainAOTOutput,
     TangentAOTInput,
 )
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from autoparallel.models import (
-    LLAMA3_8B,
-    LLAMA3_70B,
-    MLP,
-    Llama,
-    llama_config,
-)
+from autoparallel.models import LLAMA3_8B, LLAMA3_70B, MLP, Llama, llama_config
 
 SDPA_FWD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 SDPA_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"

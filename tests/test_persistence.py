@@ -10,8 +10,9 @@ from conftest import meta
 from planning import Replicate, Shard
 
 from autoparallel import AutoParallel
+from autoparallel.files.placements import PlacementFileError
 from autoparallel.models import MLP, Llama, llama_config
-from autoparallel.persistence import PlacementFileError, parse_placements
+from autoparallel.types.placements import PlacementSyntaxError, parse_placements
 
 CONFIG = llama_config("tiny")
 
@@ -67,5 +68,5 @@ def test_parse_placements():
 
     assert parse_placements("S(0)RS(1)") == (Shard(0), Replicate(), Shard(1))
     assert parse_placements("P(sum)R") == (Partial("sum"), Replicate())
-    with pytest.raises(PlacementFileError, match="cannot read"):
+    with pytest.raises(PlacementSyntaxError, match="cannot read"):
         parse_placements("S0R")

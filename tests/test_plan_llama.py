@@ -42,7 +42,11 @@ def test_llama_plans_on_meshes_and_honours_constraints(fake_mesh, shape, config,
     assert plan.solver.status == "Optimal"
     assert not plan.fallbacks
     # memory constraint: the big matrices are sharded on every mesh dimension
-    for name in ("layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight", "output.weight"):
+    for name in (
+        "layers.0.attention.wq.weight",
+        "layers.1.feed_forward.w2.weight",
+        "output.weight",
+    ):
         assert any(isinstance(p, Shard) for p in plan.param_placements[name]), name
 
 
@@ -52,7 +56,11 @@ def test_attention_can_shard_heads(fake_mesh):
     model = meta(lambda: Llama(CONFIG))
     with AutoParallel(model, tokens(), mesh) as autop:
         autop.add_input_constraints([(Replicate(),)])
-        attention = [n for n in autop.sharding_optimizer.problem.space.nodes if "scaled_dot_product" in str(n.target)]
+        attention = [
+            n
+            for n in autop.sharding_optimizer.problem.space.nodes
+            if "scaled_dot_product" in str(n.target)
+        ]
         assert attention
         for node in attention:
             outputs = autop.sharding_optimizer.problem.space[node].output_placements()
@@ -68,7 +76,9 @@ def test_contradictory_constraints_name_the_conflict(fake_mesh):
         autop.add_input_constraints([(Shard(0),)])
         optimizer = autop.sharding_optimizer
         # the embedding weight cannot be both replicated and sharded, and memory needs it sharded
-        optimizer.add_node_constraint(optimizer.problem.joint.params["tok_embeddings.weight"], (Replicate(),))
+        optimizer.add_node_constraint(
+            optimizer.problem.joint.params["tok_embeddings.weight"], (Replicate(),)
+        )
         autop.add_parameter_memory_constraint()
         with pytest.raises(InfeasibleConstraintsError) as error:
             autop.optimize_placement()
@@ -123,7 +133,9 @@ def test_op_without_strategy_falls_back_to_replicate_with_a_warning(fake_mesh, c
     with caplog.at_level(logging.WARNING, logger="autoparallel"):
         plan = plan_model(model, lambda: torch.randn(8, 16), mesh, [(Shard(0),)])
     assert any("row_scale" in f for f in plan.fallbacks)
-    assert any("no sharding strategy" in r.message and "row_scale" in r.message for r in caplog.records)
+    assert any(
+        "no sharding strategy" in r.message and "row_scale" in r.message for r in caplog.records
+    )
     node = next(n for n in plan.nodes.values() if "row_scale" in n.target)
     assert node.strategy.output == (Replicate(),)
 
@@ -139,7 +151,9 @@ def test_hugging_face_models_plan(fake_mesh, builder):
     mesh = fake_mesh((2, 2))
     model = meta(getattr(models, builder))
     inp = batch_sharded(2)
-    plan = plan_model(model, lambda: torch.randint(0, 256, (4, 32)), mesh, [inp], [inp], memory=True)
+    plan = plan_model(
+        model, lambda: torch.randint(0, 256, (4, 32)), mesh, [inp], [inp], memory=True
+    )
     assert plan.input_placements == [inp]
     assert plan.solver.status == "Optimal"
     assert not plan.fallbacks

@@ -25,10 +25,14 @@ def test_no_memory_constraint_gives_ddp(fake_mesh):
 def test_memory_constraint_gives_fsdp(fake_mesh):
     mesh = fake_mesh((4,))
     model = meta(lambda: MLP(1024, 4096))
-    plan = plan_model(model, lambda: torch.randn(8192, 1024), mesh, [(Shard(0),)], [(Shard(0),)], memory=True)
+    plan = plan_model(
+        model, lambda: torch.randn(8192, 1024), mesh, [(Shard(0),)], [(Shard(0),)], memory=True
+    )
     for name, placements in plan.param_placements.items():
         assert isinstance(placements[0], Shard), name
-    gathers = [c for c, a in transitions(plan, Shard, Replicate) if plan.nodes[c].phase == "forward"]
+    gathers = [
+        c for c, a in transitions(plan, Shard, Replicate) if plan.nodes[c].phase == "forward"
+    ]
     reduce_scatters = transitions(plan, Partial, Shard)
     assert len(gathers) >= len(plan.param_placements)
     assert len(reduce_scatters) >= len(plan.param_placements)

@@ -11,9 +11,9 @@ from conftest import meta
 from planning import Shard
 
 from autoparallel import AutoParallel
+from autoparallel.files.placements import PlacementFileError
 from autoparallel.models import Llama, llama_config
-from autoparallel.persistence import PlacementFileError
-from autoparallel.solver.optimizer import ShardingOptimizer
+from autoparallel.optimizer import ShardingOptimizer
 
 CONFIG = llama_config("tiny", n_layers=4)
 
@@ -21,7 +21,9 @@ CONFIG = llama_config("tiny", n_layers=4)
 def test_saved_problem_loads_resolves_and_explains(fake_mesh, tmp_path):
     mesh = fake_mesh((2,))
     path = tmp_path / "problem.npz"
-    with AutoParallel(meta(lambda: Llama(CONFIG)), lambda: torch.randint(0, 256, (8, 32)), mesh) as autop:
+    with AutoParallel(
+        meta(lambda: Llama(CONFIG)), lambda: torch.randint(0, 256, (8, 32)), mesh
+    ) as autop:
         autop.add_input_constraints([(Shard(0),)])
         autop.add_parameter_memory_constraint()
         plan = autop.optimize_placement()
@@ -31,14 +33,16 @@ def test_saved_problem_loads_resolves_and_explains(fake_mesh, tmp_path):
     script = f"""
 import sys
 sys.modules["autoparallel.models"] = None  # loading must not need the model code
-from autoparallel.solver.optimizer import ShardingOptimizer
+from autoparallel.optimizer import ShardingOptimizer
 opt = ShardingOptimizer.load({str(path)!r})
 saved = opt.get_solution()
 again = opt.resolve()
 print(saved.solver.objective, again.solver.objective, len(opt.constraints()))
 print(sorted(saved.param_placements.items()) == sorted(again.param_placements.items()))
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     first, second = result.stdout.strip().splitlines()[-2:]
     saved_objective, again_objective, constraints = first.split()
@@ -51,7 +55,9 @@ print(sorted(saved.param_placements.items()) == sorted(again.param_placements.it
 def test_loaded_problem_takes_new_constraints_and_tools(fake_mesh, tmp_path):
     mesh = fake_mesh((2,))
     path = tmp_path / "problem.npz"
-    with AutoParallel(meta(lambda: Llama(llama_config("tiny"))), lambda: torch.randint(0, 256, (8, 32)), mesh) as autop:
+    with AutoParallel(
+        meta(lambda: Llama(llama_config("tiny"))), lambda: torch.randint(0, 256, (8, 32)), mesh
+    ) as autop:
         autop.add_input_constraints([(Shard(0),)])
         first = autop.optimize_placement()
         autop.sharding_optimizer.save(str(path))

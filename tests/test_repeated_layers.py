@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from autoparallel.layer_stamping import first_difference
 from autoparallel.models import Llama, llama_config
-from autoparallel.repeated_layers import find_repeated_layers
-from autoparallel.trace import trace_joint
+from autoparallel.trace.export import trace_joint
+from autoparallel.trace.layer_stamping import first_difference
+from autoparallel.trace.repeated_layers import find_repeated_layers
 
 CONFIG = llama_config("tiny", dim=64, ffn_hidden=128, vocab_size=128, n_layers=6)
 CPU = torch.device("cpu")
@@ -35,7 +35,10 @@ def _both_traces(model, input_fn, caplog, mp_policy=None):
     return once, full
 
 
-@pytest.mark.parametrize("mp_policy", [None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)])
+@pytest.mark.parametrize(
+    "mp_policy",
+    [None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)],
+)
 def test_the_graph_built_from_three_layers_is_the_full_trace(caplog, mp_policy):
     once, full = _both_traces(_deep_llama(), _tokens, caplog, mp_policy)
     assert "traced 3 and 4 of the 6 identical layers of `layers`" in caplog.text
@@ -52,7 +55,7 @@ def test_layers_with_a_different_setting_are_not_repeated(caplog):
     model = _deep_llama()
     assert find_repeated_layers(model).count == 6
     model.layers[3].attention_norm.eps = 1e-3
-    with caplog.at_level(logging.INFO, logger="autoparallel.repeated_layers"):
+    with caplog.at_level(logging.INFO, logger="autoparallel.trace.repeated_layers"):
         assert find_repeated_layers(model) is None
     assert "layer 3 differs from layer 0: `attention_norm.eps` differs" in caplog.text
 
@@ -123,7 +126,9 @@ def test_the_check_sees_a_layer_reading_the_wrong_layer():
     adds = [
         n.name
         for n in joint.graph.nodes
-        if n.target == torch.ops.aten.add.Tensor and n in joint.forward_nodes and n.meta["val"].shape == (4, 16, 64)
+        if n.target == torch.ops.aten.add.Tensor
+        and n in joint.forward_nodes
+        and n.meta["val"].shape == (4, 16, 64)
     ]
     rewired = trace_joint(_deep_llama(), _tokens, CPU, trace_layers_once=False).graph
     by_name = {n.name: n for n in rewired.nodes}
@@ -131,7 +136,9 @@ def test_the_check_sees_a_layer_reading_the_wrong_layer():
     assert late.args[0] is not early and late.args[0].meta["val"].shape == early.meta["val"].shape
     late.args = (early, *late.args[1:])
     difference = first_difference(rewired, joint.graph)
-    assert difference is not None and late.name in difference and "different arguments" in difference
+    assert (
+        difference is not None and late.name in difference and "different arguments" in difference
+    )
 
 
 def test_hugging_face_layers_numbered_by_layer_idx_are_traced_once(caplog):
@@ -170,7 +177,9 @@ class _IndexedStack(nn.Module):
 
 
 def test_a_forward_that_reads_its_layer_index_is_traced_whole(caplog):
-    once, full = _both_traces(_IndexedStack(), lambda: torch.randn(4, 8, requires_grad=True), caplog)
+    once, full = _both_traces(
+        _IndexedStack(), lambda: torch.randn(4, 8, requires_grad=True), caplog
+    )
     assert "the forward reads the layer index `index`" in caplog.text
     assert once.layers_traced_once is None
     assert first_difference(once.graph, full.graph) is None
@@ -181,7 +190,10 @@ class _StackOfStacks(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(4, 4) for _ in range(8))}) for _ in range(6))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(4, 4) for _ in range(8))})
+            for _ in range(6)
+        )
 
 
 def test_the_outer_stack_is_repeated_not_the_longer_inner_one():
@@ -203,5 +215,7 @@ def test_equal_partials_count_as_equal_settings_and_different_ones_do_not():
     same.layers = nn.ModuleList(_PartialActivation() for _ in range(6))
     assert find_repeated_layers(same).count == 6
     different = nn.Module()
-    different.layers = nn.ModuleList(_PartialActivation("none" if i == 2 else "tanh") for i in range(6))
+    different.layers = nn.ModuleList(
+        _PartialActivation("none" if i == 2 else "tanh") for i in range(6)
+    )
     assert find_repeated_layers(different) is None

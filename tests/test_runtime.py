@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 from runtime_cases import (
-    parameters_gathered_by_layer,
-    gradients_reduced_together,
-    route_is_executed,
     LR,
     STEPS,
     dynamic_batch_sizes,
-    plan_is_shared,
     global_batches,
+    gradients_reduced_together,
     inference_and_state,
     init_matches_reference,
+    parameters_gathered_by_layer,
+    plan_is_shared,
     reference_model,
+    route_is_executed,
     simple_api,
     train,
 )
 
-from autoparallel.testing import reference_training, run_distributed
+from autoparallel._testing.harness import reference_training, run_distributed
 
 TOLERANCE = 1e-4
 
@@ -35,7 +35,11 @@ def references():
     def get(model_name):
         if model_name not in cache:
             cache[model_name] = reference_training(
-                lambda: reference_model(model_name), global_batches(model_name), STEPS, LR, loss_fn=_loss
+                lambda: reference_model(model_name),
+                global_batches(model_name),
+                STEPS,
+                LR,
+                loss_fn=_loss,
             )
         return cache[model_name]
 
@@ -78,7 +82,9 @@ def test_parallel_training_matches_single_device(references, model_name, shape, 
     elif kind == "fsdp":
         assert all("S(" in p for p in placements.values() if p), placements
     else:
-        assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), placements
+        assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), (
+            placements
+        )
     if compiled:  # Inductor compiled the training graph and, under no_grad, the inference one
         assert rank0["compiled_graphs"] >= 2
         assert rank0["compiled_inference_error"] < TOLERANCE
@@ -130,7 +136,9 @@ def test_the_runtime_follows_the_planned_route():
     for result in results:
         assert result["route"] == ["P(sum)R", "P(sum)S(0)", "RS(0)", "RR"], result["route"]
         assert sorted(result["comms"].values()) == [1, 1]
-        assert any("all_reduce" in op for op in result["comms"]) and any("all_gather" in op for op in result["comms"])
+        assert any("all_reduce" in op for op in result["comms"]) and any(
+            "all_gather" in op for op in result["comms"]
+        )
         assert result["error"] < 1e-5
 
 

@@ -26,7 +26,11 @@ def _plan(fake_mesh, hidden_placements, extra=None):
 
 
 def _constrained(plan):
-    return {name: n.strategy.output for name, n in plan.nodes.items() if "sharding_constraint" in n.target}
+    return {
+        name: n.strategy.output
+        for name, n in plan.nodes.items()
+        if "sharding_constraint" in n.target
+    }
 
 
 def test_the_constraint_pins_the_activation_and_its_gradient(fake_mesh):
@@ -35,7 +39,10 @@ def test_the_constraint_pins_the_activation_and_its_gradient(fake_mesh):
     autop, plan = _plan(fake_mesh, DP_TP)
     assert list(_constrained(plan).values()) == [DP_TP, DP_TP]  # forward value and gradient
     descriptions = autop.sharding_optimizer.constraints()
-    assert descriptions["with_sharding_constraint:sharding_constraint"] == "with_sharding_constraint on gelu = S(0)R"
+    assert (
+        descriptions["with_sharding_constraint:sharding_constraint"]
+        == "with_sharding_constraint on gelu = S(0)R"
+    )
     assert "(gradient)" in descriptions["with_sharding_constraint:sharding_constraint_1"]
     assert plan.totals.total_us > free.totals.total_us  # it costs something, and is obeyed anyway
 
@@ -47,9 +54,13 @@ def test_another_layout_is_obeyed_too(fake_mesh):
 
 def test_contradiction_with_a_node_constraint_is_named(fake_mesh):
     def contradict(autop):
-        autop.sharding_optimizer.add_node_constraint("sharding_constraint", (Replicate(), Replicate()), name="mine")
+        autop.sharding_optimizer.add_node_constraint(
+            "sharding_constraint", (Replicate(), Replicate()), name="mine"
+        )
 
-    with pytest.raises(InfeasibleConstraintsError, match="with_sharding_constraint:sharding_constraint") as info:
+    with pytest.raises(
+        InfeasibleConstraintsError, match="with_sharding_constraint:sharding_constraint"
+    ) as info:
         _plan(fake_mesh, DP_TP, contradict)
     assert "mine" in str(info.value)
 

@@ -14,9 +14,9 @@ from autoparallel import AutoParallel
 from autoparallel import _torch_internals as internals
 from autoparallel.cost import TRANSITION_COST_US, PairPricer, direct_redistribution_cost_us
 from autoparallel.models import MLP, Llama, llama_config
-from autoparallel.shapes import TensorInfo
 from autoparallel.solver.highs import SolverOptions, _run, solve
 from autoparallel.solver.plan import build_plan
+from autoparallel.types.tensors import TensorInfo
 
 CONFIG = llama_config("tiny")  # 2 layers
 
@@ -80,7 +80,11 @@ def test_cost_tables_hold_the_reference_prices(fake_mesh):
                     assert (i, j) not in priced
                     continue
                 assert priced[(i, j)] == expected
-                if src != dst and pricer.state_of(src) is not None and pricer.state_of(dst) is not None:
+                if (
+                    src != dst
+                    and pricer.state_of(src) is not None
+                    and pricer.state_of(dst) is not None
+                ):
                     route = pricer.route(src, dst)
                     assert expected[1] == pytest.approx(TRANSITION_COST_US * (len(route) - 1))
                 checked += 1
@@ -95,7 +99,9 @@ def test_vectorized_build_prices_every_column_as_the_loop_did(fake_mesh):
 
     config = llama_config("tiny", n_layers=4)
     model = meta(lambda: Llama(config))
-    with AutoParallel(model, lambda: torch.randint(0, config.vocab_size, (8, 32)), fake_mesh((2, 2))) as autop:
+    with AutoParallel(
+        model, lambda: torch.randint(0, config.vocab_size, (8, 32)), fake_mesh((2, 2))
+    ) as autop:
         problem = autop.sharding_optimizer.problem
     assert problem.folding.num_folded > 0
     expected = [0.0] * problem.num_variables
@@ -132,11 +138,13 @@ def test_single_dim_ops_expand_as_dtensor_does(fake_mesh, monkeypatch, shape):
     expander gives."""
     from autoparallel.strategies import dtensor_adapter
     from autoparallel.strategies.space import build_strategy_space
-    from autoparallel.trace import trace_joint
+    from autoparallel.trace.export import trace_joint
 
     mesh = fake_mesh(shape)
     model = meta(lambda: Llama(CONFIG))
-    joint = trace_joint(model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), torch.device("cpu"))
+    joint = trace_joint(
+        model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), torch.device("cpu")
+    )
     asked_dtensor = []
     real_call = dtensor_adapter._call
 
@@ -160,7 +168,9 @@ def test_single_dim_ops_expand_as_dtensor_does(fake_mesh, monkeypatch, shape):
         reference = [repr((s.output, s.inputs)) for s in theirs.nodes[node].strategies]
         assert set(mine) == set(reference), node.name
         assert mine == reference, node.name  # same order too: the plan cannot change
-        if isinstance(node.target, torch._ops.OpOverload) and internals.has_single_dim_strategy(node.target):
+        if isinstance(node.target, torch._ops.OpOverload) and internals.has_single_dim_strategy(
+            node.target
+        ):
             single_dim += 1
     assert single_dim > 10
     assert ours.fallbacks == theirs.fallbacks
@@ -201,7 +211,9 @@ def test_route_flows_keep_the_optimum_of_pair_pricing(fake_mesh, model, shape):
         tensor = TensorInfo(tuple(value.shape), value.dtype)
         steps = argument.steps
         assert all(sum(a != b for a, b in zip(x, y)) == 1 for x, y in steps) or not argument.route
-        cost = sum(direct_redistribution_cost_us(tensor, x, y, flows.tables.topology) for x, y in steps)
+        cost = sum(
+            direct_redistribution_cost_us(tensor, x, y, flows.tables.topology) for x, y in steps
+        )
         assert cost == pytest.approx(argument.comm_us, rel=1e-9, abs=1e-9)
 
 
@@ -211,13 +223,19 @@ def test_route_flows_keep_the_optimum_under_reduce_dtype_constraints(fake_mesh):
     on a mesh whose dim 0 crosses nodes (so routes differ from direct moves)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autoparallel.mixed_precision import reduction_dtype_constraints
+    from autoparallel.solver.constraints import reduction_dtype_constraints
     from autoparallel.solver.problem import build_problem
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = fake_mesh((2, 4))
     model = meta(lambda: Llama(CONFIG))
-    with AutoParallel(model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), mesh, mp_policy=policy, gpus_per_node=4) as autop:
+    with AutoParallel(
+        model,
+        lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)),
+        mesh,
+        mp_policy=policy,
+        gpus_per_node=4,
+    ) as autop:
         autop.add_input_constraints([batch_sharded(2)])
         autop.add_parameter_memory_constraint()
         flows = autop.sharding_optimizer.problem
@@ -228,7 +246,11 @@ def test_route_flows_keep_the_optimum_under_reduce_dtype_constraints(fake_mesh):
         if not name.startswith("mixed_precision:"):
             pairs.add_constraint(constraint)
     reduce_rules = reduction_dtype_constraints(pairs, policy)
-    assert len(reduce_rules) == sum(1 for name in flows.user_constraints if name.startswith("mixed_precision:")) > 0
+    assert (
+        len(reduce_rules)
+        == sum(1 for name in flows.user_constraints if name.startswith("mixed_precision:"))
+        > 0
+    )
     for constraint in reduce_rules:
         pairs.add_constraint(constraint)
     by_pairs = solve(pairs, SolverOptions(time_limit_s=600)).stats

@@ -9,12 +9,25 @@ import torch
 from conftest import meta
 
 from autoparallel.models import Llama, llama_config
-from autoparallel.strategies import dtensor_adapter, space as space_module
+from autoparallel.strategies import dtensor_adapter
+from autoparallel.strategies import space as space_module
 from autoparallel.strategies.space import build_strategy_space
-from autoparallel.trace import trace_joint
+from autoparallel.trace.export import trace_joint
 
 CONFIG = llama_config("tiny")  # 2 layers
-MIRRORED = ("view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "unsqueeze", "slice_backward", "cat", "sum", "mean")
+MIRRORED = (
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "expand",
+    "permute",
+    "transpose",
+    "unsqueeze",
+    "slice_backward",
+    "cat",
+    "sum",
+    "mean",
+)
 
 
 def _key(strategies) -> list[str]:
@@ -54,7 +67,9 @@ def _base_name(node) -> str:
 def test_unpriced_whole_mesh_strategies_match_dtensor(fake_mesh, monkeypatch, shape):
     mesh = fake_mesh(shape)
     model = meta(lambda: Llama(CONFIG))
-    joint = trace_joint(model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), torch.device("cpu"))
+    joint = trace_joint(
+        model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), torch.device("cpu")
+    )
 
     ours, ours_raw, asked = _build(joint, mesh, monkeypatch)
     monkeypatch.setattr(dtensor_adapter, "_USE_DTENSOR_WHOLE_MESH", True)
@@ -63,7 +78,15 @@ def test_unpriced_whole_mesh_strategies_match_dtensor(fake_mesh, monkeypatch, sh
     # the fast path answered every mirrored op of this model (DTensor was never asked)
     mirrored = [n for n in ours_raw if _base_name(n) in MIRRORED]
     assert not [n.name for n in asked if n in mirrored]
-    assert {_base_name(n) for n in mirrored} >= {"view", "_unsafe_view", "expand", "slice_backward", "cat", "sum", "mean"}
+    assert {_base_name(n) for n in mirrored} >= {
+        "view",
+        "_unsafe_view",
+        "expand",
+        "slice_backward",
+        "cat",
+        "sum",
+        "mean",
+    }
 
     assert list(ours_raw) == list(theirs_raw)
     for node, mine in ours_raw.items():

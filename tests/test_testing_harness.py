@@ -1,4 +1,4 @@
-"""The multi-process harness (autoparallel.testing) on real gloo process groups.
+"""The multi-process harness (autoparallel._testing.harness) on real gloo process groups.
 
 The FSDP2 test is the pattern the runtime tests follow: train a known-good sharding on
 LOCAL per-rank batch slices and compare with the single-process reference.
@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoparallel.models import MLP
-from autoparallel.testing import (
+from autoparallel._testing.harness import (
     full_grads,
     full_params,
     gather_full,
     reference_training,
     run_distributed,
 )
+from autoparallel.models import MLP
 
 DIM, HIDDEN, BATCH, STEPS, LR = 16, 32, 8, 2, 1e-2
 
@@ -145,7 +145,9 @@ def test_reference_training_shapes_and_custom_loss():
     batches = make_batches()
     ref = reference_training(make_mlp, batches, steps=STEPS, lr=LR)
     assert len(ref["losses"]) == STEPS and ref["losses"][1] < ref["losses"][0]
-    assert set(ref["params"]) == set(ref["grads"]) == {"w1.weight", "w1.bias", "w2.weight", "w2.bias"}
+    assert (
+        set(ref["params"]) == set(ref["grads"]) == {"w1.weight", "w1.bias", "w2.weight", "w2.bias"}
+    )
     assert not torch.equal(ref["params"]["w1.weight"], make_mlp().w1.weight.detach())
 
     def l1(output, batch):
@@ -163,8 +165,12 @@ def test_fsdp2_matches_reference_training():
     for result in results:
         assert result["grad_is_dtensor"]
         assert all(len(p) == 1 and p[0].is_shard(0) for p in result["placements"].values())
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=1e-5
+        )
         for name, value in ref["grads"].items():
             torch.testing.assert_close(result["grads"][name], value, rtol=1e-5, atol=1e-6, msg=name)
         for name, value in ref["params"].items():
-            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name
+            )

@@ -1,6 +1,11 @@
 """Cost model v1: per-op compute time, collective time and redistribution time (all in us)."""
 
-from autoparallel.cost.collectives import all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
+from autoparallel.cost.collectives import (
+    all_gather_us,
+    all_reduce_us,
+    all_to_all_us,
+    reduce_scatter_us,
+)
 from autoparallel.cost.compute import bytes_moved, compute_cost_us, flop_count, is_free_op
 from autoparallel.cost.redistribution import (
     TRANSITION_COST_US,

@@ -17,7 +17,7 @@ never communicates and costs exactly 0.0.
 
 from __future__ import annotations
 
-from autoparallel.topology import Topology
+from autoparallel.cost.topology import Topology
 
 __all__ = ["all_gather_us", "all_reduce_us", "all_to_all_us", "reduce_scatter_us"]
 

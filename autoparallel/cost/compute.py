@@ -16,15 +16,16 @@ unfamiliar op.
 from __future__ import annotations
 
 import logging
-import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from autoparallel.shapes import TensorInfo
-from autoparallel.topology import Hardware
+from autoparallel.cost.topology import Hardware
+from autoparallel.trace.view_ops import is_view_op as is_free_op
+from autoparallel.types.tensors import TensorInfo
 
 __all__ = ["bytes_moved", "compute_cost_us", "flop_count", "is_free_op"]
 
@@ -32,31 +33,6 @@ log = logging.getLogger(__name__)
 
 _US_PER_S = 1e6
 _aten = torch.ops.aten
-
-# Aten packets that only produce views or read metadata: no kernel, no data movement.
-# ``op.is_view`` catches the rest (and is what makes ``reshape``-style aliases free).
-_FREE_PACKET_NAMES = frozenset(
-    {
-        "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute",
-        "expand", "expand_as", "slice", "select", "squeeze", "unsqueeze", "alias", "split",
-        "split_with_sizes", "unbind", "as_strided", "detach", "view_as", "flatten",
-        "unflatten", "narrow", "chunk", "tensor_split", "movedim", "lift_fresh",
-        "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
-        "numel", "dim", "is_contiguous",
-    }
-)
-
-
-def is_free_op(op: Any) -> bool:
-    """True for view/metadata ops, which the cost model treats as costing nothing."""
-    if op is operator.getitem:  # FX tuple unpacking
-        return True
-    if getattr(op, "is_view", False):
-        return True
-    packet = getattr(op, "overloadpacket", None)
-    if packet is None or getattr(op, "namespace", None) != "aten":
-        return False
-    return getattr(packet, "__name__", "") in _FREE_PACKET_NAMES
 
 
 # ---------------------------------------------------------------- CPU SDPA formulas
@@ -68,7 +44,9 @@ def _sdpa_forward_flops(query: TensorInfo, key: TensorInfo, value: TensorInfo) -
     return 2 * b * h * s_q * s_kv * (d_qk + d_v)
 
 
-def _cpu_flash_fwd(query: TensorInfo, key: TensorInfo, value: TensorInfo, *_: Any, **__: Any) -> int:
+def _cpu_flash_fwd(
+    query: TensorInfo, key: TensorInfo, value: TensorInfo, *_: Any, **__: Any
+) -> int:
     return _sdpa_forward_flops(query, key, value)
 
 
@@ -101,7 +79,9 @@ def flop_count(op: Any, args: tuple, kwargs: dict, output: Any) -> int:
     packet = getattr(op, "overloadpacket", op)
     try:
         if packet in flop_registry:
-            meta_args, meta_kwargs, meta_out = tree_map(_to_meta, (tuple(args), dict(kwargs), output))
+            meta_args, meta_kwargs, meta_out = tree_map(
+                _to_meta, (tuple(args), dict(kwargs), output)
+            )
             return int(flop_registry[packet](*meta_args, **meta_kwargs, out_val=meta_out))
         if packet in _LOCAL_FORMULAS:
             return int(_LOCAL_FORMULAS[packet](*args, **kwargs))
@@ -132,7 +112,9 @@ def _math_dtype(args: tuple, kwargs: dict, output: Any) -> torch.dtype:
     return torch.float32
 
 
-def compute_cost_us(op: torch._ops.OpOverload, args: tuple, kwargs: dict, output: Any, hardware: Hardware) -> float:
+def compute_cost_us(
+    op: torch._ops.OpOverload, args: tuple, kwargs: dict, output: Any, hardware: Hardware
+) -> float:
     """Roofline time (us) of ``op`` on one rank; 0.0 for views, else >= kernel launch.
 
     ``args``/``kwargs``/``output`` are the node's pytrees with tensors replaced by LOCAL

@@ -32,16 +32,21 @@ on integer codes with memoized local sizes and one route table per tensor.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from autoparallel.cost.collectives import all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
+from autoparallel.cost.collectives import (
+    all_gather_us,
+    all_reduce_us,
+    all_to_all_us,
+    reduce_scatter_us,
+)
 from autoparallel.cost.routes import MAX_ROUTE_STATES, RouteTable
-from autoparallel.shapes import TensorInfo, local_info
-from autoparallel.strategies.types import is_multi
-from autoparallel.topology import Topology
+from autoparallel.cost.topology import Topology
+from autoparallel.types.placements import is_multi
+from autoparallel.types.tensors import TensorInfo, local_info
 
 try:  # Strided shards (FSDP+TP) are shard-like but are not Shard subclasses in torch 2.13.
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -61,7 +66,14 @@ __all__ = [
 TRANSITION_COST_US = 0.01
 
 # Execution phase of each step kind (lower runs first); see the module docstring.
-_PHASE = {"slice": 0, "zero": 0, "reduce_scatter": 1, "all_to_all": 2, "all_reduce": 3, "all_gather": 4}
+_PHASE = {
+    "slice": 0,
+    "zero": 0,
+    "reduce_scatter": 1,
+    "all_to_all": 2,
+    "all_reduce": 3,
+    "all_gather": 4,
+}
 
 
 def _is_shard(p: Placement) -> bool:
@@ -109,7 +121,9 @@ def _validate(src: Sequence[Placement], dst: Sequence[Placement], topology: Topo
         )
 
 
-def _step_cost_us(kind: str, before: TensorInfo, after: TensorInfo, mesh_dim: int, topology: Topology) -> float:
+def _step_cost_us(
+    kind: str, before: TensorInfo, after: TensorInfo, mesh_dim: int, topology: Topology
+) -> float:
     if kind == "reduce_scatter":
         return reduce_scatter_us(before.nbytes, mesh_dim, topology)
     if kind == "all_to_all":
@@ -230,7 +244,9 @@ class PairPricer:
             if RouteTable.size_for(len(values), len(self.mesh_shape)) > MAX_ROUTE_STATES:
                 self._routes = None
             else:
-                self._routes = RouteTable(values, len(self.mesh_shape), self._arc_price, TRANSITION_COST_US)
+                self._routes = RouteTable(
+                    values, len(self.mesh_shape), self._arc_price, TRANSITION_COST_US
+                )
         return self._routes  # type: ignore[return-value]
 
     def _arc_price(self, src: tuple, dst: tuple, mesh_dim: int) -> float | None:
@@ -244,7 +260,11 @@ class PairPricer:
         if placements in self._states:
             return self._states[placements]
         state = None
-        if isinstance(placements, tuple) and len(placements) == len(self.mesh_shape) and not is_multi(placements):
+        if (
+            isinstance(placements, tuple)
+            and len(placements) == len(self.mesh_shape)
+            and not is_multi(placements)
+        ):
             routes = self.routes
             codes = self._code_of(placements)
             if routes is not None and codes is not None:
@@ -319,10 +339,14 @@ class PairPricer:
             return 0.0, 0.0
         a, b = self._code_of(src), self._code_of(dst)
         if a is None or b is None:
-            return direct_redistribution_cost_us(self.tensor, src, dst, self.topology), transition_cost_us(src, dst)
+            return direct_redistribution_cost_us(
+                self.tensor, src, dst, self.topology
+            ), transition_cost_us(src, dst)
         return self._price_codes(a, b, self._raw_code_of(src), self._raw_code_of(dst))
 
-    def price_table(self, src_options: list, dst_options: list) -> list[tuple[int, int, float, float]]:
+    def price_table(
+        self, src_options: list, dst_options: list
+    ) -> list[tuple[int, int, float, float]]:
         """The feasible ``(i, j, comm us, tie-breaker us)`` over all pairs of two option lists
         (identical placements always cost ``(0, 0)``; impossible pairs are left out)."""
         src_states = [self.state_of(p) for p in src_options]
@@ -337,7 +361,9 @@ class PairPricer:
                     pairs.append((i, j, comm, transition))
         return pairs
 
-    def _prices_from_routes(self, src_states: list, dst_states: list) -> list[tuple[int, int, float, float]]:
+    def _prices_from_routes(
+        self, src_states: list, dst_states: list
+    ) -> list[tuple[int, int, float, float]]:
         routes = self.routes
         assert routes is not None
         rows = np.asarray(src_states, dtype=np.int64)[:, None]
@@ -357,7 +383,9 @@ class PairPricer:
             return found
         codes = self._code_of(placements)
         if codes is not None:
-            codes = tuple(("S", p.dim) if type(p) is Shard else code for p, code in zip(placements, codes))
+            codes = tuple(
+                ("S", p.dim) if type(p) is Shard else code for p, code in zip(placements, codes)
+            )
         self._codes[key] = codes
         return codes
 

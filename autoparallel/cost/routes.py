@@ -27,7 +27,7 @@ and ``arc_price`` says what a step costs (or None when the step is impossible).
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -76,7 +76,9 @@ class RouteTable:
     def num_arcs(self) -> int:
         return len(self.arc_src)
 
-    def _arcs(self, values: Sequence[Hashable], mesh_ndim: int, arc_price) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _arcs(
+        self, values: Sequence[Hashable], mesh_ndim: int, arc_price
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         sources, targets, comms = [], [], []
         for i, state in enumerate(self.states):
             for mesh_dim in range(mesh_ndim):
@@ -90,7 +92,11 @@ class RouteTable:
                     sources.append(i)
                     targets.append(self.index[target])
                     comms.append(float(comm))
-        return np.array(sources, dtype=np.int64), np.array(targets, dtype=np.int64), np.array(comms, dtype=np.float64)
+        return (
+            np.array(sources, dtype=np.int64),
+            np.array(targets, dtype=np.int64),
+            np.array(comms, dtype=np.float64),
+        )
 
     def _all_pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Floyd-Warshall carrying, beside the total, the comm part, the step count and

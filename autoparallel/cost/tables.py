@@ -25,65 +25,13 @@ import torch.fx as fx
 
 from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.redistribution import PairPricer
-from autoparallel.cost.routes import RouteTable
-from autoparallel.fx_args import flat_args, map_args
-from autoparallel.shapes import TensorInfo, local_shape
-from autoparallel.strategies.types import NodeStrategies, OutputPlacements, StrategySpace, is_multi
-from autoparallel.topology import Topology
-from autoparallel.trace import JointGraph
-
-
-@dataclass
-class EdgeCost:
-    """Prices of one edge, on distinct placements rather than on strategy pairs.
-
-    ``src_options`` are the producer's distinct output placements and ``src_of_strategy[s]``
-    the index of producer strategy ``s``'s output among them; likewise ``dst_*`` for the
-    placement the consumer requires on this slot. ``pairs`` lists the feasible
-    (src index, dst index, comm_us, transition_us); impossible pairs are absent.
-    """
-
-    producer: fx.Node
-    consumer: fx.Node
-    slot: int
-    kind: str  # "arg", "param_grad", "input_grad" or "output"
-    src_options: list[OutputPlacements]
-    src_of_strategy: list[int]
-    dst_options: list[OutputPlacements]
-    dst_of_strategy: list[int]
-    pairs: list[tuple[int, int, float, float]]
-    routes: "EdgeRoutes | None" = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.producer.name}->{self.consumer.name}[{self.kind}:{self.slot}]"
-
-
-@dataclass
-class EdgeRoutes:
-    """The route states of an edge's options, when all of them are states of the tensor's
-    route table: ``src_states[i]`` is ``src_options[i]``'s state, likewise ``dst_states``.
-    The solver may then price the edge as a flow over the table's single-step arcs."""
-
-    pricer: PairPricer
-    src_states: list[int]
-    dst_states: list[int]
-
-    @property
-    def table(self) -> RouteTable:
-        return self.pricer.routes  # type: ignore[return-value]
-
-
-@dataclass
-class CostTables:
-    compute_us: dict[fx.Node, list[float]]
-    edges: list[EdgeCost]
-    topology: Topology
-    incoming: dict[fx.Node, list[EdgeCost]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for edge in self.edges:
-            self.incoming.setdefault(edge.consumer, []).append(edge)
+from autoparallel.cost.topology import Topology
+from autoparallel.trace.fx_args import flat_args, map_args
+from autoparallel.types.costs import CostTables, EdgeCost, EdgeRoutes
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.placements import OutputPlacements, is_multi
+from autoparallel.types.strategies import NodeStrategies, StrategySpace
+from autoparallel.types.tensors import TensorInfo, local_shape
 
 
 @dataclass
@@ -118,7 +66,7 @@ def build_cost_tables(joint: JointGraph, space: StrategySpace, topology: Topolog
     cache = PriceCache()
     compute = {node: _compute_costs(ns, topology, cache) for node, ns in space.nodes.items()}
     edges: list[EdgeCost] = []
-    for node, ns in space.nodes.items():
+    for ns in space.nodes.values():
         for slot, producer in enumerate(ns.input_nodes):
             edges.append(_edge(space[producer], ns, slot, "arg", topology, cache))
     for boundary, kind in _boundary_edges(joint):
@@ -172,7 +120,10 @@ def _edge(
     src_index = cache.required.get(("src", id(producer.strategies)))
     if src_index is None:
         index = _index(src_options)
-        src_index = cache.required[("src", id(producer.strategies))] = ([], [index[s.output] for s in producer.strategies])
+        src_index = cache.required[("src", id(producer.strategies))] = (
+            [],
+            [index[s.output] for s in producer.strategies],
+        )
     return EdgeCost(
         producer=producer.node,
         consumer=consumer.node,
@@ -188,7 +139,11 @@ def _edge(
 
 
 def _edge_routes(
-    pricer: PairPricer | None, info: TensorInfo | None, src_options: list, dst_options: list, cache: PriceCache
+    pricer: PairPricer | None,
+    info: TensorInfo | None,
+    src_options: list,
+    dst_options: list,
+    cache: PriceCache,
 ) -> EdgeRoutes | None:
     if pricer is None or pricer.routes is None:
         return None
@@ -199,7 +154,9 @@ def _edge_routes(
     return EdgeRoutes(pricer, src_states, dst_states)
 
 
-def _states(pricer: PairPricer, info: TensorInfo | None, options: list, cache: PriceCache) -> list[int] | None:
+def _states(
+    pricer: PairPricer, info: TensorInfo | None, options: list, cache: PriceCache
+) -> list[int] | None:
     """Route state of each option (one shared list per distinct option list); None if an
     option is not a state."""
     key = (id(pricer), cache.canonical(options))  # one pricer per TensorInfo, kept by the cache
@@ -209,7 +166,9 @@ def _states(pricer: PairPricer, info: TensorInfo | None, options: list, cache: P
     return cache.states[key]
 
 
-def _required(consumer: NodeStrategies, slot: int | None, cache: PriceCache) -> tuple[list, list[int]]:
+def _required(
+    consumer: NodeStrategies, slot: int | None, cache: PriceCache
+) -> tuple[list, list[int]]:
     """Distinct placements the consumer requires (on ``slot``, or of its output if None),
     and the index of each consumer strategy's requirement among them."""
     key = (id(consumer.strategies), slot)
@@ -222,12 +181,23 @@ def _required(consumer: NodeStrategies, slot: int | None, cache: PriceCache) -> 
     return found
 
 
-def _price_pairs(pricer: PairPricer | None, src_options: list, dst_options: list) -> list[tuple[int, int, float, float]]:
+def _price_pairs(
+    pricer: PairPricer | None, src_options: list, dst_options: list
+) -> list[tuple[int, int, float, float]]:
     """Feasible (src index, dst index, comm us, transition us) of one edge (``pricer`` is
     None for a non-tensor value). Tuples (multi-output values) are never redistributed as a
     whole: only identical ones pair up."""
-    if pricer is None or any(is_multi(p) for p in src_options) or any(is_multi(p) for p in dst_options):
-        return [(i, j, 0.0, 0.0) for i, src in enumerate(src_options) for j, dst in enumerate(dst_options) if src == dst]
+    if (
+        pricer is None
+        or any(is_multi(p) for p in src_options)
+        or any(is_multi(p) for p in dst_options)
+    ):
+        return [
+            (i, j, 0.0, 0.0)
+            for i, src in enumerate(src_options)
+            for j, dst in enumerate(dst_options)
+            if src == dst
+        ]
     return pricer.price_table(src_options, dst_options)
 
 
@@ -235,7 +205,12 @@ def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCac
     node = ns.node
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return [0.0] * len(ns.strategies)
-    node_key = (node.target, _shape_signature(node.args), _shape_signature(node.kwargs), id(ns.strategies))
+    node_key = (
+        node.target,
+        _shape_signature(node.args),
+        _shape_signature(node.kwargs),
+        id(ns.strategies),
+    )
     if node_key in price_cache.compute:
         return price_cache.compute[node_key]
     mesh_shape = topology.mesh_shape
@@ -248,15 +223,21 @@ def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCac
         for producer, placements in zip(ns.input_nodes, strategy.inputs):
             placement_of.setdefault(producer, placements)
         local_leaves = [
-            _local_value(leaf.meta.get("val"), placement_of[leaf], mesh_shape) if isinstance(leaf, fx.Node) else leaf
+            _local_value(leaf.meta.get("val"), placement_of[leaf], mesh_shape)
+            if isinstance(leaf, fx.Node)
+            else leaf
             for leaf in leaves
         ]
         output = _local_value(output_value, strategy.output, mesh_shape)
         shapes_key = (tuple(x for x in local_leaves if isinstance(x, (TensorInfo, tuple))), output)
         if shapes_key not in by_local_shapes:  # strategies with equal local shapes cost the same
             local_of = iter(local_leaves)
-            args, kwargs = map_args(lambda _: next(local_of), (node.args, dict(node.kwargs)))
-            by_local_shapes[shapes_key] = compute_cost_us(node.target, args, kwargs, output, topology.hardware)
+            args, kwargs = map_args(
+                lambda _, leaves=local_of: next(leaves), (node.args, dict(node.kwargs))
+            )
+            by_local_shapes[shapes_key] = compute_cost_us(
+                node.target, args, kwargs, output, topology.hardware
+            )
         costs.append(by_local_shapes[shapes_key])
     price_cache.compute[node_key] = costs
     return costs
@@ -271,7 +252,10 @@ def _shape_signature(args: Any) -> str:
             if isinstance(value, torch.Tensor):
                 return ("T", tuple(value.shape), str(value.dtype))
             if isinstance(value, (tuple, list)):
-                return tuple(("T", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else None for v in value)
+                return tuple(
+                    ("T", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else None
+                    for v in value
+                )
             return None
         return arg
 
@@ -283,5 +267,7 @@ def _local_value(value: Any, placements: Any, mesh_shape: tuple[int, ...]) -> An
         return TensorInfo(local_shape(value.shape, placements, mesh_shape), value.dtype)
     if isinstance(value, (tuple, list)):
         multi = placements if is_multi(placements) else [placements] * len(value)
-        return tuple(_local_value(v, p, mesh_shape) if p is not None else None for v, p in zip(value, multi))
+        return tuple(
+            _local_value(v, p, mesh_shape) if p is not None else None for v, p in zip(value, multi)
+        )
     return value

@@ -59,9 +59,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _fill_uniform_(
-    tensor: torch.Tensor, bound: float, generator: torch.Generator | None
-) -> None:
+def _fill_uniform_(tensor: torch.Tensor, bound: float, generator: torch.Generator | None) -> None:
     """Fill ``tensor`` in place with U(-bound, bound) drawn on CPU."""
     values = torch.empty(tensor.shape, dtype=torch.float32, device="cpu")
     values.uniform_(-bound, bound, generator=generator)
@@ -77,7 +75,9 @@ class MLP(nn.Module):
     activation's layout with ``with_sharding_constraint`` (one placement per mesh dim).
     """
 
-    def __init__(self, dim: int, hidden: int, bias: bool = True, hidden_placements: tuple | None = None) -> None:
+    def __init__(
+        self, dim: int, hidden: int, bias: bool = True, hidden_placements: tuple | None = None
+    ) -> None:
         super().__init__()
         self.dim = dim
         self.hidden = hidden
@@ -89,7 +89,7 @@ class MLP(nn.Module):
         """Map ``[..., dim]`` to ``[..., dim]``."""
         hidden = nn.functional.gelu(self.w1(x))
         if self.hidden_placements is not None:
-            from autoparallel.sharding_constraint import with_sharding_constraint
+            from autoparallel.trace.sharding_constraint import with_sharding_constraint
 
             hidden = with_sharding_constraint(hidden, self.hidden_placements)
         return self.w2(hidden)

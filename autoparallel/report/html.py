@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from autoparallel.report import template as t
 from autoparallel.report.template import embed_json, format_bytes, json_safe, placement_html
@@ -93,14 +94,22 @@ def _header(data: Mapping[str, Any]) -> str:
     hardware = data.get("hardware") or {}
     facts = [
         ("mesh", f"({mesh_text}), {devices} devices"),
-        ("hardware", f"{hardware.get('name', '-')}, {hardware.get('gpus_per_node', '-')} GPUs per node"),
+        (
+            "hardware",
+            f"{hardware.get('name', '-')}, {hardware.get('gpus_per_node', '-')} GPUs per node",
+        ),
     ]
     run = data.get("run") or {}
     if isinstance(run, Mapping):
         if run.get("layers") is not None:
             facts.append(("layers planned", run["layers"]))
         if run.get("layers_traced_once"):
-            facts.append(("traced", f"3 and 4 layers of `{run['layers_traced_once']}`; the rest repeated from them"))
+            facts.append(
+                (
+                    "traced",
+                    f"3 and 4 layers of `{run['layers_traced_once']}`; the rest repeated from them",
+                )
+            )
         if run.get("batch") is not None:
             facts.append(("global inputs", f"batch {run['batch']} x seq {run.get('seq', '-')}"))
         if run.get("memory_budget") is not None:
@@ -108,11 +117,16 @@ def _header(data: Mapping[str, Any]) -> str:
         if run.get("planning_s") is not None:
             stages = run.get("stage_times_s") or {}
             detail = ", ".join(f"{k} {t.num(v) or 0:.1f} s" for k, v in stages.items())
-            facts.append(("planning time", f"{t.num(run['planning_s']) or 0:.1f} s" + (f" ({detail})" if detail else "")))
+            facts.append(
+                (
+                    "planning time",
+                    f"{t.num(run['planning_s']) or 0:.1f} s" + (f" ({detail})" if detail else ""),
+                )
+            )
     facts.append(("schema version", data.get("version", "-")))
     items = "".join(f"<dt>{t.esc(k)}</dt><dd>{t.esc(v)}</dd>" for k, v in facts)
     return (
-        f'<header><h1>autoparallel plan: {t.esc(_model_label(data))}</h1>'
+        f"<header><h1>autoparallel plan: {t.esc(_model_label(data))}</h1>"
         f'<dl class="facts">{items}</dl>'
         '<p class="note">Placements are in mesh-dim order (S(d) = sharded on tensor dim d, R = replicated, '
         "P = partial); costs are per step, in microseconds (us).</p></header>"
@@ -121,9 +135,16 @@ def _header(data: Mapping[str, Any]) -> str:
 
 def _nav() -> str:
     links = [
-        ("totals", "totals"), ("solver", "solver"), ("parameters", "parameters"), ("io", "inputs/outputs"),
-        ("layers", "cost per module"), ("hotspots", "hot spots"), ("collectives", "collectives"),
-        ("nodes", "nodes"), ("fallbacks", "fallbacks"), ("constraints", "constraints"),
+        ("totals", "totals"),
+        ("solver", "solver"),
+        ("parameters", "parameters"),
+        ("io", "inputs/outputs"),
+        ("layers", "cost per module"),
+        ("hotspots", "hot spots"),
+        ("collectives", "collectives"),
+        ("nodes", "nodes"),
+        ("fallbacks", "fallbacks"),
+        ("constraints", "constraints"),
     ]
     return "<nav>" + " ".join(f'<a href="#{k}">{t.esc(v)}</a>' for k, v in links) + "</nav>"
 
@@ -134,7 +155,9 @@ def _totals_section(data: Mapping[str, Any]) -> str:
         return t.section("totals", "Totals", t.empty("no totals in this plan"))
     parts = t.cost_parts(totals)
     whole = sum(v for _, v in parts)
-    cards = [f'<div class="card total"><div class="k">total</div><div class="v">{t.us(totals.get("total_us"))}</div></div>']
+    cards = [
+        f'<div class="card total"><div class="k">total</div><div class="v">{t.us(totals.get("total_us"))}</div></div>'
+    ]
     for name, value in parts:
         cards.append(
             f'<div class="card {name}"><div class="k">{name}</div><div class="v">{t.us(value)}</div>'
@@ -142,7 +165,11 @@ def _totals_section(data: Mapping[str, Any]) -> str:
         )
     legend = "".join(f'<span class="key {n}"></span>{n} {t.pct(v, whole):.1f}% ' for n, v in parts)
     bar = t.stacked_bar(parts, whole, "total")
-    return t.section("totals", "Totals", f'<div class="cards">{"".join(cards)}</div>{bar}<p class="legend">{legend}</p>')
+    return t.section(
+        "totals",
+        "Totals",
+        f'<div class="cards">{"".join(cards)}</div>{bar}<p class="legend">{legend}</p>',
+    )
 
 
 def _solver_section(data: Mapping[str, Any]) -> str:
@@ -169,7 +196,11 @@ def _plural(count: int, noun: str) -> str:
 
 
 def _count(value: Any) -> str:
-    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else t.esc(value if value is not None else "-")
+    return (
+        f"{value:,}"
+        if isinstance(value, int) and not isinstance(value, bool)
+        else t.esc(value if value is not None else "-")
+    )
 
 
 # ---------------------------------------------------------------------------- parameters: module tree
@@ -180,7 +211,7 @@ class _Module:
     """One dotted prefix of the parameter names, with its own parameters and sub-modules."""
 
     path: str
-    children: dict[str, "_Module"] = field(default_factory=dict)
+    children: dict[str, _Module] = field(default_factory=dict)
     params: list[Mapping[str, Any]] = field(default_factory=list)
 
     def all_params(self) -> list[Mapping[str, Any]]:
@@ -192,7 +223,9 @@ class _Module:
     def signature(self) -> tuple:
         """Parameter names relative to this module with their placements: equal for identical layers."""
         cut = len(self.path) + 1 if self.path else 0
-        return tuple((str(p.get("name", ""))[cut:], str(p.get("placements"))) for p in self.all_params())
+        return tuple(
+            (str(p.get("name", ""))[cut:], str(p.get("placements"))) for p in self.all_params()
+        )
 
 
 def _module_tree(params: Sequence[Mapping[str, Any]]) -> _Module:
@@ -209,7 +242,7 @@ def _module_tree(params: Sequence[Mapping[str, Any]]) -> _Module:
 def _collapse_chain(label: str, node: _Module) -> tuple[str, _Module]:
     """Merge a module that holds only one sub-module into it (``model.transformer``)."""
     while not node.params and len(node.children) == 1:
-        (name, child), = node.children.items()
+        ((name, child),) = node.children.items()
         label, node = f"{label}.{name}", child
     return label, node
 
@@ -219,11 +252,13 @@ def _param_rows(params: Sequence[Mapping[str, Any]], dims: Sequence[str]) -> lis
     for p in params:
         rows.append(
             "<tr>"
-            + t.cell(f'<code>{t.esc(p.get("name"))}</code>')
+            + t.cell(f"<code>{t.esc(p.get('name'))}</code>")
             + t.cell(t.esc(t.shape_text(p.get("shape"))))
             + t.cell(t.esc(p.get("dtype", "-")))
             + t.cell(t.placement_html(p.get("placements"), dims))
-            + t.cell(t.esc(t.format_bytes(p.get("bytes_per_device"))), p.get("bytes_per_device"), "num")
+            + t.cell(
+                t.esc(t.format_bytes(p.get("bytes_per_device"))), p.get("bytes_per_device"), "num"
+            )
             + "</tr>"
         )
     return rows
@@ -246,7 +281,9 @@ def _module_summary(label: str, node: _Module, same_as: str | None) -> str:
     )
 
 
-def _render_module(label: str, node: _Module, depth: int, dims: Sequence[str], same_as: str | None) -> str:
+def _render_module(
+    label: str, node: _Module, depth: int, dims: Sequence[str], same_as: str | None
+) -> str:
     label, node = _collapse_chain(label, node)
     label = node.path or label
     inner = [_param_table(node.params, dims)] if node.params else []
@@ -280,7 +317,9 @@ def _parameters_section(data: Mapping[str, Any], dims: Sequence[str]) -> str:
         '<p class="tools"><button type="button" data-tree="open">expand all</button> '
         '<button type="button" data-tree="close">collapse all</button></p>'
     )
-    note = t.esc(f"{len(params)} parameters, {t.format_bytes(total)} per device in all; grouped by module (dotted prefix).")
+    note = t.esc(
+        f"{len(params)} parameters, {t.format_bytes(total)} per device in all; grouped by module (dotted prefix)."
+    )
     content = f'{buttons}<div id="parameter-tree" class="tree">{"".join(top)}{_render_children(root, 0, dims)}</div>'
     return t.section("parameters", "Parameters by module", content, note)
 
@@ -303,7 +342,9 @@ def _io_section(data: Mapping[str, Any], dims: Sequence[str]) -> str:
             )
     if not rows:
         return t.section("io", "Inputs and outputs", t.empty("no inputs or outputs recorded"))
-    return t.section("io", "Inputs and outputs", t.table(["tensor", "global shape", "placements"], rows))
+    return t.section(
+        "io", "Inputs and outputs", t.table(["tensor", "global shape", "placements"], rows)
+    )
 
 
 # ---------------------------------------------------------------------------- cost per layer
@@ -316,9 +357,13 @@ def _natural_key(row: Mapping[str, Any]) -> list[tuple[int, Any]]:
 
 
 def _layers_section(data: Mapping[str, Any]) -> str:
-    layers = sorted((row for row in data.get("layers") or [] if isinstance(row, Mapping)), key=_natural_key)
+    layers = sorted(
+        (row for row in data.get("layers") or [] if isinstance(row, Mapping)), key=_natural_key
+    )
     if not layers:
-        return t.section("layers", "Cost per module", t.absent(data, "layers", "no per-module costs"))
+        return t.section(
+            "layers", "Cost per module", t.absent(data, "layers", "no per-module costs")
+        )
     totals = [sum(v for _, v in t.cost_parts(row)) for row in layers]
     scale = max(totals) if totals else 0.0
     rows = []
@@ -347,23 +392,38 @@ def _collectives(data: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 def _kind_html(kind: Any) -> str:
     parts = str(kind or "-").split("+")
-    return "+".join(f'<span class="kind k-{t.esc(re.sub(r"[^a-z_]", "", p))}">{t.esc(p)}</span>' for p in parts)
+    return "+".join(
+        f'<span class="kind k-{t.esc(re.sub(r"[^a-z_]", "", p))}">{t.esc(p)}</span>' for p in parts
+    )
 
 
-def _collective_row(c: Mapping[str, Any], dims: Sequence[str], share_of: float | None = None) -> str:
+def _collective_row(
+    c: Mapping[str, Any], dims: Sequence[str], share_of: float | None = None
+) -> str:
     cells = [
         t.cell(_kind_html(c.get("kind")), cls="nw"),
         t.cell(t.mesh_dims_html(c.get("mesh_dims"), dims), cls="nw"),
-        t.cell(f'{t.placement_html(c.get("src"), dims)} <span class="arrow">&rarr;</span> {t.placement_html(c.get("dst"), dims)}', cls="nw"),
+        t.cell(
+            f'{t.placement_html(c.get("src"), dims)} <span class="arrow">&rarr;</span> {t.placement_html(c.get("dst"), dims)}',
+            cls="nw",
+        ),
         t.cell(t.esc(t.us(c.get("comm_us"))), c.get("comm_us"), "num"),
     ]
     if share_of is not None:
         share = t.pct(t.num(c.get("comm_us")) or 0.0, share_of)
-        cells.append(t.cell(f'<div class="bar mini"><span class="seg comm" style="width:{share:.3f}%"></span></div> {share:.1f}%', share, "num"))
+        cells.append(
+            t.cell(
+                f'<div class="bar mini"><span class="seg comm" style="width:{share:.3f}%"></span></div> {share:.1f}%',
+                share,
+                "num",
+            )
+        )
     cells += [
         t.cell(t.esc(c.get("phase", "-"))),
-        t.cell(f'<code>{t.esc(c.get("module") or "-")}</code>'),
-        t.cell(f'<code>{t.esc(c.get("consumer", "-"))}</code> &larr; <code>{t.esc(c.get("producer", "-"))}</code>'),
+        t.cell(f"<code>{t.esc(c.get('module') or '-')}</code>"),
+        t.cell(
+            f"<code>{t.esc(c.get('consumer', '-'))}</code> &larr; <code>{t.esc(c.get('producer', '-'))}</code>"
+        ),
     ]
     return "<tr>" + "".join(cells) + "</tr>"
 
@@ -371,24 +431,62 @@ def _collective_row(c: Mapping[str, Any], dims: Sequence[str], share_of: float |
 def _hotspots_section(data: Mapping[str, Any], dims: Sequence[str]) -> str:
     rows = _collectives(data)[:HOTSPOT_COUNT]
     if not rows:
-        return t.section("hotspots", "Communication hot spots", t.absent(data, "collectives", "none: no redistribution in this plan"))
-    comm_total = t.num((data.get("totals") or {}).get("comm_us")) or sum(t.num(c.get("comm_us")) or 0.0 for c in _collectives(data))
-    headers = ["kind", "mesh dims", "src -> dst", "comm#", "share of comm#", "phase", "module", "consumer <- producer"]
-    table = t.table(headers, [_collective_row(c, dims, comm_total) for c in rows], table_id="hotspot-table")
+        return t.section(
+            "hotspots",
+            "Communication hot spots",
+            t.absent(data, "collectives", "none: no redistribution in this plan"),
+        )
+    comm_total = t.num((data.get("totals") or {}).get("comm_us")) or sum(
+        t.num(c.get("comm_us")) or 0.0 for c in _collectives(data)
+    )
+    headers = [
+        "kind",
+        "mesh dims",
+        "src -> dst",
+        "comm#",
+        "share of comm#",
+        "phase",
+        "module",
+        "consumer <- producer",
+    ]
+    table = t.table(
+        headers, [_collective_row(c, dims, comm_total) for c in rows], table_id="hotspot-table"
+    )
     return t.section("hotspots", f"Communication hot spots (top {len(rows)})", table)
 
 
 def _collectives_section(data: Mapping[str, Any], dims: Sequence[str]) -> str:
     rows = _collectives(data)
     if not rows:
-        return t.section("collectives", "Collectives", t.absent(data, "collectives", "none: no redistribution in this plan"))
+        return t.section(
+            "collectives",
+            "Collectives",
+            t.absent(data, "collectives", "none: no redistribution in this plan"),
+        )
     shown = rows[:MAX_TABLE_ROWS]
-    headers = ["kind", "mesh dims", "src -> dst", "comm#", "phase", "module", "consumer <- producer"]
-    table = t.table(headers, [_collective_row(c, dims) for c in shown], table_id="collective-table", cls="sortable")
+    headers = [
+        "kind",
+        "mesh dims",
+        "src -> dst",
+        "comm#",
+        "phase",
+        "module",
+        "consumer <- producer",
+    ]
+    table = t.table(
+        headers,
+        [_collective_row(c, dims) for c in shown],
+        table_id="collective-table",
+        cls="sortable",
+    )
     kinds: dict[str, float] = {}
     for c in rows:
-        kinds[str(c.get("kind"))] = kinds.get(str(c.get("kind")), 0.0) + (t.num(c.get("comm_us")) or 0.0)
-    by_kind = "; ".join(f"{t.esc(k)} {t.esc(t.us(v))}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        kinds[str(c.get("kind"))] = kinds.get(str(c.get("kind")), 0.0) + (
+            t.num(c.get("comm_us")) or 0.0
+        )
+    by_kind = "; ".join(
+        f"{t.esc(k)} {t.esc(t.us(v))}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+    )
     note = f"{len(rows)} collectives, sorted by cost; click a column header to sort. By kind: {by_kind}."
     if len(rows) > len(shown):
         note += f" Only the {len(shown)} most expensive are listed; the embedded JSON has all."
@@ -412,16 +510,28 @@ def _nodes_section(data: Mapping[str, Any], dims: Sequence[str]) -> str:
         inputs = t.placement_html(n.get("input_placements") or [], dims)
         rows.append(
             "<tr>"
-            + t.cell(f'<code>{t.esc(n.get("name"))}</code>')
-            + t.cell(f'<code>{t.esc(n.get("target"))}</code>')
+            + t.cell(f"<code>{t.esc(n.get('name'))}</code>")
+            + t.cell(f"<code>{t.esc(n.get('target'))}</code>")
             + t.cell(t.esc(n.get("phase", "-")))
-            + t.cell(f'<code>{t.esc(n.get("module") or "-")}</code>')
+            + t.cell(f"<code>{t.esc(n.get('module') or '-')}</code>")
             + t.cell(t.esc(t.shape_text(n.get("shape"))))
-            + t.cell(f'{inputs} <span class="arrow">&rarr;</span> {t.placement_html(n.get("placements"), dims)}')
+            + t.cell(
+                f'{inputs} <span class="arrow">&rarr;</span> {t.placement_html(n.get("placements"), dims)}'
+            )
             + "".join(t.cell(t.esc(t.us(n.get(k))), n.get(k), "num") for k, _ in t.COST_PARTS)
             + "</tr>"
         )
-    headers = ["node", "op", "phase", "module", "global shape", "inputs -> output", "compute#", "comm#", "transition#"]
+    headers = [
+        "node",
+        "op",
+        "phase",
+        "module",
+        "global shape",
+        "inputs -> output",
+        "compute#",
+        "comm#",
+        "transition#",
+    ]
     table = t.table(headers, rows, table_id="node-table", cls="sortable")
     inner = f"<details><summary>{len(top)} of {len(nodes)} nodes, by compute + comm + transition</summary>{table}</details>"
     return t.section("nodes", "Most expensive nodes", inner)
@@ -433,9 +543,19 @@ def _nodes_section(data: Mapping[str, Any], dims: Sequence[str]) -> str:
 def _fallbacks_section(data: Mapping[str, Any]) -> str:
     fallbacks = data.get("fallbacks") or []
     if not fallbacks:
-        return t.section("fallbacks", "Fallbacks", t.empty("none: every op had a sharding strategy"))
-    items = "".join(f"<li><code>{t.esc(f if not isinstance(f, Mapping) else json.dumps(f))}</code></li>" for f in fallbacks)
-    return t.section("fallbacks", "Fallbacks", f"<ul>{items}</ul>", "Ops without a sharding strategy, run replicated.")
+        return t.section(
+            "fallbacks", "Fallbacks", t.empty("none: every op had a sharding strategy")
+        )
+    items = "".join(
+        f"<li><code>{t.esc(f if not isinstance(f, Mapping) else json.dumps(f))}</code></li>"
+        for f in fallbacks
+    )
+    return t.section(
+        "fallbacks",
+        "Fallbacks",
+        f"<ul>{items}</ul>",
+        "Ops without a sharding strategy, run replicated.",
+    )
 
 
 def _constraints_section(data: Mapping[str, Any]) -> str:
@@ -443,7 +563,10 @@ def _constraints_section(data: Mapping[str, Any]) -> str:
     if not constraints:
         return t.section("constraints", "Constraints", t.empty("no user constraints"))
     if isinstance(constraints, Mapping):
-        rows = [f"<tr><td><code>{t.esc(k)}</code></td><td>{t.esc(v)}</td></tr>" for k, v in constraints.items()]
+        rows = [
+            f"<tr><td><code>{t.esc(k)}</code></td><td>{t.esc(v)}</td></tr>"
+            for k, v in constraints.items()
+        ]
     else:
-        rows = [f"<tr><td colspan=\"2\">{t.esc(c)}</td></tr>" for c in constraints]
+        rows = [f'<tr><td colspan="2">{t.esc(c)}</td></tr>' for c in constraints]
     return t.section("constraints", "Constraints", t.table(["name", "description"], rows))

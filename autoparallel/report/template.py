@@ -13,12 +13,32 @@ import html
 import json
 import math
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 __all__ = [
-    "COST_PARTS", "CSS", "JS", "absent", "cell", "cost_parts", "dim_names", "embed_json", "empty", "esc",
-    "format_bytes", "json_safe", "mesh_dims_html", "num", "page", "pct", "placement_html", "section",
-    "shape_text", "stacked_bar", "table", "us",
+    "COST_PARTS",
+    "CSS",
+    "JS",
+    "absent",
+    "cell",
+    "cost_parts",
+    "dim_names",
+    "embed_json",
+    "empty",
+    "esc",
+    "format_bytes",
+    "json_safe",
+    "mesh_dims_html",
+    "num",
+    "page",
+    "pct",
+    "placement_html",
+    "section",
+    "shape_text",
+    "stacked_bar",
+    "table",
+    "us",
 ]
 
 _PLACEMENT_TOKEN = re.compile(r"S\(-?\d+\)|R|P\([A-Za-z_]+\)")
@@ -33,10 +53,10 @@ def page(title: str, body: str, data: Any) -> str:
     """The whole HTML document: ``body`` (already HTML) inside the shell, ``data`` embedded as
     JSON (see :func:`embed_json`), ``title`` escaped here."""
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
         f"<title>{esc(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n<main>\n{body}\n</main>\n"
-        f"<script type=\"application/json\" id=\"plan-data\">{embed_json(data)}</script>\n"
+        f'<script type="application/json" id="plan-data">{embed_json(data)}</script>\n'
         f"<script>{JS}</script>\n</body>\n</html>\n"
     )
 
@@ -137,7 +157,9 @@ def placement_html(value: Any, dims: Sequence[str]) -> str:
     chips = []
     for i, token in enumerate(tokens):
         dim = dims[i] if i < len(dims) else f"dim{i}"
-        chips.append(f'<span class="pl pl-{token[0]}" title="{esc(dim)}: {esc(token)}">{esc(token)}</span>')
+        chips.append(
+            f'<span class="pl pl-{token[0]}" title="{esc(dim)}: {esc(token)}">{esc(token)}</span>'
+        )
     return f'<span class="pls">{"".join(chips)}</span>'
 
 
@@ -187,7 +209,9 @@ def stacked_bar(parts: Sequence[tuple[str, float]], scale: float, label: str) ->
         if width <= 0:
             continue
         title = f"{label}: {name} {us(value)}"
-        segments.append(f'<span class="seg {name}" style="width:{width:.3f}%" title="{esc(title)}"></span>')
+        segments.append(
+            f'<span class="seg {name}" style="width:{width:.3f}%" title="{esc(title)}"></span>'
+        )
     return f'<div class="bar">{"".join(segments)}</div>'
 
 

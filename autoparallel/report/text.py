@@ -1,7 +1,7 @@
 """Plain-text views of a plan JSON dict: the summary ``autoparallel plan`` and ``autoparallel
 explain`` print, and the difference of two plans that ``autoparallel diff`` prints.
 
-Everything here reads the JSON dict only (schema in :mod:`autoparallel.report_data`), so it
+Everything here reads the JSON dict only (schema in :mod:`autoparallel.files.plan_json`), so it
 works the same on a plan just made, a ``plan.json`` from disk, or the JSON of a saved problem;
 it uses no torch objects. Costs are printed in microseconds (``us``).
 """
@@ -11,12 +11,22 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from autoparallel.report.template import format_bytes
 
-__all__ = ["PlanJsonDiff", "collapse_layers", "diff_plan_json", "summary_lines"]
+__all__ = [
+    "CostDelta",
+    "PlanDiff",
+    "collapse_layers",
+    "diff_plan_json",
+    "parameter_lines",
+    "solver_lines",
+    "summary_lines",
+    "totals_lines",
+]
 
 
 # ---------------------------------------------------------------------------- summary
@@ -73,10 +83,10 @@ def _fmt_us(value: Any) -> str:
 def summary_lines(data: Mapping[str, Any]) -> list[str]:
     """The human-readable summary of a plan JSON dict (what ``autoparallel plan`` prints)."""
     lines = _header_lines(data)
-    lines += _parameter_lines(data)
-    lines += _totals_lines(data)
+    lines += parameter_lines(data)
+    lines += totals_lines(data)
     lines += _hotspot_lines(data)
-    lines += _solver_lines(data)
+    lines += solver_lines(data)
     if data.get("fallbacks"):
         lines.append(f"replicated for lack of a strategy: {', '.join(map(str, data['fallbacks']))}")
     return lines
@@ -88,31 +98,45 @@ def _header_lines(data: Mapping[str, Any]) -> list[str]:
     names = mesh.get("dim_names") or [f"dim{i}" for i in range(len(shape))]
     hardware = data.get("hardware") or {}
     run = data.get("run") or {}
-    what = f"{run.get('model', 'model')} ({run.get('layers')} layers)" if run.get("layers") else str(run.get("model", "model"))
+    what = (
+        f"{run.get('model', 'model')} ({run.get('layers')} layers)"
+        if run.get("layers")
+        else str(run.get("model", "model"))
+    )
     inputs = f", batch {run['batch']} x seq {run['seq']}" if "batch" in run else ""
     mesh_text = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
-    lines = [f"{what}{inputs}, mesh ({mesh_text}), {hardware.get('name', '-')} with {hardware.get('gpus_per_node', '-')} GPUs per node"]
+    lines = [
+        f"{what}{inputs}, mesh ({mesh_text}), {hardware.get('name', '-')} with {hardware.get('gpus_per_node', '-')} GPUs per node"
+    ]
     if "memory_budget" in run:  # a plan made by `autoparallel plan` (not a saved problem's JSON)
         lines.append(f"memory budget: {run['memory_budget']}")
     return lines
 
 
-def _parameter_lines(data: Mapping[str, Any]) -> list[str]:
-    params = {str(p["name"]): str(p.get("placements")) for p in data.get("parameters") or [] if "name" in p}
+def parameter_lines(data: Mapping[str, Any]) -> list[str]:
+    params = {
+        str(p["name"]): str(p.get("placements"))
+        for p in data.get("parameters") or []
+        if "name" in p
+    }
     if not params:
         return []
     rows = collapse_layers(params)
     width = max(len(name) for name, _ in rows)
     total = sum(p.get("bytes_per_device") or 0 for p in data.get("parameters") or [])
-    header = f"parameter placements (mesh-dim order), {format_bytes(total)} of parameters per device:"
+    header = (
+        f"parameter placements (mesh-dim order), {format_bytes(total)} of parameters per device:"
+    )
     return [header] + [f"  {name:<{width}}  {placement}" for name, placement in rows]
 
 
-def _totals_lines(data: Mapping[str, Any]) -> list[str]:
+def totals_lines(data: Mapping[str, Any]) -> list[str]:
     t = data.get("totals") or {}
     if not t:
         return []
-    comm, compute, transition = (float(t.get(k) or 0.0) for k in ("comm_us", "compute_us", "transition_us"))
+    comm, compute, transition = (
+        float(t.get(k) or 0.0) for k in ("comm_us", "compute_us", "transition_us")
+    )
     whole = comm + compute + transition
     share = (lambda v: f"{100 * v / whole:.1f}%") if whole > 0 else (lambda v: "-")
     return [
@@ -123,28 +147,42 @@ def _totals_lines(data: Mapping[str, Any]) -> list[str]:
 
 
 def _hotspot_lines(data: Mapping[str, Any], count: int = 5) -> list[str]:
-    collectives = [c for c in data.get("collectives") or [] if isinstance(c.get("comm_us"), (int, float))]
+    collectives = [
+        c for c in data.get("collectives") or [] if isinstance(c.get("comm_us"), (int, float))
+    ]
     top = sorted(collectives, key=lambda c: -c["comm_us"])[:count]
     if not top:
         return []
     names = list((data.get("mesh") or {}).get("dim_names") or [])
 
     def dims(c: Mapping[str, Any]) -> str:
-        return ",".join(names[d] if isinstance(d, int) and d < len(names) else str(d) for d in c.get("mesh_dims") or [])
+        return ",".join(
+            names[d] if isinstance(d, int) and d < len(names) else str(d)
+            for d in c.get("mesh_dims") or []
+        )
 
     rows = [
-        (_fmt_us(c["comm_us"]), f"{c.get('kind', '-')} ({dims(c)})", f"{c.get('src', '-')} -> {c.get('dst', '-')}",
-         str(c.get("phase", "-")), f"{c.get('module') or '-'}  ({c.get('consumer', '-')} <- {c.get('producer', '-')})")
+        (
+            _fmt_us(c["comm_us"]),
+            f"{c.get('kind', '-')} ({dims(c)})",
+            f"{c.get('src', '-')} -> {c.get('dst', '-')}",
+            str(c.get("phase", "-")),
+            f"{c.get('module') or '-'}  ({c.get('consumer', '-')} <- {c.get('producer', '-')})",
+        )
         for c in top
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = [f"top {len(top)} of {len(collectives)} collectives (comm, kind (mesh dims), src -> dst, phase, module):"]
+    lines = [
+        f"top {len(top)} of {len(collectives)} collectives (comm, kind (mesh dims), src -> dst, phase, module):"
+    ]
     for row in rows:
-        lines.append(f"  {row[0]:>{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:<{widths[3]}}  {row[4]}")
+        lines.append(
+            f"  {row[0]:>{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:<{widths[3]}}  {row[4]}"
+        )
     return lines
 
 
-def _solver_lines(data: Mapping[str, Any]) -> list[str]:
+def solver_lines(data: Mapping[str, Any]) -> list[str]:
     s = data.get("solver") or {}
     lines = []
     if s:
@@ -154,6 +192,7 @@ def _solver_lines(data: Mapping[str, Any]) -> list[str]:
             f"solver: status {s.get('status')}, objective {_fmt_us(s.get('objective_us'))}, "
             f"bound {_fmt_us(s.get('bound_us'))}, gap {gap_text}, time {float(s.get('time_s') or 0):.2f} s, "
             f"{s.get('num_variables')} variables, {s.get('num_constraints')} constraints"
+            + (", solved as an LP (its relaxation was integral)" if s.get("method") == "lp" else "")
         )
     run = data.get("run") or {}
     if run.get("stage_times_s"):
@@ -170,12 +209,29 @@ _LISTED_NAMES = 10
 
 
 @dataclass(frozen=True)
-class PlanJsonDiff:
-    """What changed from plan JSON ``a`` to plan JSON ``b`` (e.g. two constraints, two meshes).
+class CostDelta:
+    """``b - a`` per cost total, in us (negative: ``b`` is cheaper); None where either side
+    has no finite value. Read as attributes (``delta.comm_us``) or by the JSON's keys
+    (``delta["comm_us"]``)."""
 
-    ``delta`` is ``b - a`` per total (keys of ``totals``, us; negative = ``b`` is cheaper;
-    None where either side has no finite value), ``objective_delta_us`` the same for the solver
-    objectives. ``parameters`` lists (name, placement in a, placement in b) of the parameters
+    total_us: float | None
+    comm_us: float | None
+    compute_us: float | None
+    transition_us: float | None
+
+    def __getitem__(self, key: str) -> float | None:
+        if key not in _COMPONENTS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    """What changed from plan ``a`` to plan ``b`` (two constraints, two meshes, ...), read
+    from their JSON dicts: the one diff behind ``diff_solutions`` and ``autoparallel diff``.
+
+    ``delta`` is a :class:`CostDelta`, ``objective_delta_us`` the same for the solver
+    objectives (which include any objective discount, e.g. prefetch). ``parameters`` lists (name, placement in a, placement in b) of the parameters
     whose placement changed; ``moves`` counts the nodes (placeholders included) whose output
     placement changed, per (before, after), most frequent first. Placements are compared as
     written, in mesh-dim order, so on meshes of different dim names ``mesh_note`` says so.
@@ -183,7 +239,7 @@ class PlanJsonDiff:
     Plan alone): then ``moves`` and the ``only_in_*`` lists are empty, not zero.
     """
 
-    delta: dict[str, float | None]
+    delta: CostDelta
     objective_delta_us: float | None
     parameters: list[tuple[str, str, str]]
     moves: dict[tuple[str, str], int]
@@ -201,8 +257,8 @@ class PlanJsonDiff:
         lines = [self.mesh_note] if self.mesh_note else []
         d = self.delta
         lines.append(
-            f"total {_signed(d['total_us'])} = comm {_signed(d['comm_us'])} + compute {_signed(d['compute_us'])} "
-            f"+ transition {_signed(d['transition_us'])} (solver objective {_signed(self.objective_delta_us)})"
+            f"total {_signed(d.total_us)} = comm {_signed(d.comm_us)} + compute {_signed(d.compute_us)} "
+            f"+ transition {_signed(d.transition_us)} (solver objective {_signed(self.objective_delta_us)})"
         )
         return lines + self._parameter_lines() + self._move_lines() + self._only_lines()
 
@@ -212,11 +268,15 @@ class PlanJsonDiff:
     def _parameter_lines(self) -> list[str]:
         width = max((len(name) for name, _, _ in self.parameters), default=0)
         lines = [f"{len(self.parameters)} parameter(s) changed placement:"]
-        return lines + [f"  {name:<{width}}  {before} -> {after}" for name, before, after in self.parameters]
+        return lines + [
+            f"  {name:<{width}}  {before} -> {after}" for name, before, after in self.parameters
+        ]
 
     def _move_lines(self) -> list[str]:
         if not self.nodes_recorded:
-            return ["node placements: not recorded (a JSON without a 'nodes' entry, built from a Plan alone)"]
+            return [
+                "node placements: not recorded (a JSON without a 'nodes' entry, built from a Plan alone)"
+            ]
         lines = [f"{self.num_moved} node(s) changed output placement:"]
         for (src, dst), count in self.moves.items():
             lines.append(f"  {src} -> {dst}: {count} node{'s' if count != 1 else ''}")
@@ -228,17 +288,20 @@ class PlanJsonDiff:
         return [f"only in a: {_names(self.only_in_a)}; only in b: {_names(self.only_in_b)}"]
 
 
-def diff_plan_json(a: Mapping[str, Any], b: Mapping[str, Any]) -> PlanJsonDiff:
+def diff_plan_json(a: Mapping[str, Any], b: Mapping[str, Any]) -> PlanDiff:
     """Compare two plan JSON dicts of the same model; nothing but the dicts is read."""
     totals_a, totals_b = a.get("totals") or {}, b.get("totals") or {}
     objective_a, objective_b = ((d.get("solver") or {}).get("objective_us") for d in (a, b))
     nodes_a, nodes_b = _placements_by_name(a.get("nodes")), _placements_by_name(b.get("nodes"))
     recorded = nodes_a is not None and nodes_b is not None
     nodes_a, nodes_b = nodes_a or {}, nodes_b or {}
-    return PlanJsonDiff(
-        delta={key: _minus(totals_b.get(key), totals_a.get(key)) for key in _COMPONENTS},
+    return PlanDiff(
+        delta=CostDelta(*(_minus(totals_b.get(key), totals_a.get(key)) for key in _COMPONENTS)),
         objective_delta_us=_minus(objective_b, objective_a),
-        parameters=_changed(_placements_by_name(a.get("parameters")) or {}, _placements_by_name(b.get("parameters")) or {}),
+        parameters=_changed(
+            _placements_by_name(a.get("parameters")) or {},
+            _placements_by_name(b.get("parameters")) or {},
+        ),
         moves=_moves(nodes_a, nodes_b),
         only_in_a=[name for name in nodes_a if name not in nodes_b],
         only_in_b=[name for name in nodes_b if name not in nodes_a],
@@ -251,15 +314,23 @@ def _placements_by_name(rows: Any) -> dict[str, str] | None:
     """name -> placements of a ``parameters`` or ``nodes`` list; None if it is not a list."""
     if not isinstance(rows, list):
         return None
-    return {str(r["name"]): str(r.get("placements")) for r in rows if isinstance(r, Mapping) and "name" in r}
+    return {
+        str(r["name"]): str(r.get("placements"))
+        for r in rows
+        if isinstance(r, Mapping) and "name" in r
+    }
 
 
 def _changed(a: Mapping[str, str], b: Mapping[str, str]) -> list[tuple[str, str, str]]:
-    return [(name, before, b[name]) for name, before in a.items() if name in b and b[name] != before]
+    return [
+        (name, before, b[name]) for name, before in a.items() if name in b and b[name] != before
+    ]
 
 
 def _moves(a: Mapping[str, str], b: Mapping[str, str]) -> dict[tuple[str, str], int]:
-    moves = Counter((before, b[name]) for name, before in a.items() if name in b and b[name] != before)
+    moves = Counter(
+        (before, b[name]) for name, before in a.items() if name in b and b[name] != before
+    )
     return dict(moves.most_common())
 
 

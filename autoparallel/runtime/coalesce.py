@@ -15,8 +15,8 @@ of the bytes on the wire changes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,7 +36,10 @@ class Reduction:
 
 
 def reduce_gradients(
-    values: Sequence[DTensor], routes: Sequence[tuple], placements: Sequence[tuple], mesh: DeviceMesh
+    values: Sequence[DTensor],
+    routes: Sequence[tuple],
+    placements: Sequence[tuple],
+    mesh: DeviceMesh,
 ) -> list[torch.Tensor]:
     """The local tensor of each ``values[i]`` moved along ``routes[i]`` to ``placements[i]``,
     with the single-step sum reductions coalesced (see the module docstring)."""
@@ -51,7 +54,9 @@ def reduce_gradients(
     for reduction, members in groups.items():
         if len(members) == 1:
             index = members[0]
-            results[index] = redistribute_along(values[index], routes[index], placements[index]).to_local()
+            results[index] = redistribute_along(
+                values[index], routes[index], placements[index]
+            ).to_local()
             continue
         reduced = _reduce_together([values[i].to_local() for i in members], reduction, mesh)
         for index, tensor in zip(members, reduced):
@@ -81,11 +86,16 @@ def coalescable(value: DTensor, route: tuple, target: tuple, mesh: DeviceMesh) -
     return Reduction(mesh_dim, dst, value.dtype)
 
 
-def _reduce_together(tensors: list[torch.Tensor], reduction: Reduction, mesh: DeviceMesh) -> list[torch.Tensor]:
+def _reduce_together(
+    tensors: list[torch.Tensor], reduction: Reduction, mesh: DeviceMesh
+) -> list[torch.Tensor]:
     if isinstance(reduction.target, Replicate):
         flat = torch.cat([t.reshape(-1) for t in tensors])
         summed = internals.all_reduce_sum(flat, mesh, reduction.mesh_dim)
-        return [part.view(t.shape) for part, t in zip(summed.split([t.numel() for t in tensors]), tensors)]
+        return [
+            part.view(t.shape)
+            for part, t in zip(summed.split([t.numel() for t in tensors]), tensors)
+        ]
     ranks, dim = mesh.size(reduction.mesh_dim), reduction.target.dim
     blocks = [t.chunk(ranks, dim=dim) for t in tensors]
     # rank-major: rank r's block of every gradient, then rank r+1's

@@ -19,17 +19,19 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor.placement_types import Shard
 
-from autoparallel.solver.plan import Plan
 from autoparallel.strategies.rules import evenly_divisible
-from autoparallel.strategies.types import is_multi, placement_str
-from autoparallel.trace import JointGraph, trace_joint
+from autoparallel.trace.export import trace_joint
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.placements import is_multi, placement_str
+from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +47,17 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) not in memo:
             meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-            memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+            memo[id(tensor)] = (
+                nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                if isinstance(tensor, nn.Parameter)
+                else meta
+            )
     return copy.deepcopy(model, memo)
 
 
-def global_shape(local: Sequence[int], placements: Sequence[Any], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+def global_shape(
+    local: Sequence[int], placements: Sequence[Any], mesh_shape: Sequence[int]
+) -> tuple[int, ...]:
     """Inverse of local_shape for even shards: each sharded dim times its shard count."""
     sizes = list(local)
     for mesh_size, placement in zip(mesh_shape, placements):
@@ -86,8 +94,13 @@ class ShapeVariants:
         return self.runtimes[key]
 
     def _trace(self, leaves: list[torch.Tensor]) -> JointGraph:
-        shapes = [global_shape(leaf.shape, p, self.mesh_shape) for leaf, p in zip(leaves, self.plan.input_placements)]
-        described = ", ".join(f"{tuple(leaf.shape)} (global {shape})" for leaf, shape in zip(leaves, shapes))
+        shapes = [
+            global_shape(leaf.shape, p, self.mesh_shape)
+            for leaf, p in zip(leaves, self.plan.input_placements)
+        ]
+        described = ", ".join(
+            f"{tuple(leaf.shape)} (global {shape})" for leaf, shape in zip(leaves, shapes)
+        )
         logger.info("dynamic: tracing the model again for local inputs %s", described)
         dtypes = [leaf.dtype for leaf in leaves]
         spec = self.planned.in_spec
@@ -124,7 +137,9 @@ def check_same_structure(planned: JointGraph, new: JointGraph, inputs: str) -> N
         )
 
 
-def check_divisible(joint: JointGraph, plan: Plan, mesh_shape: tuple[int, ...], inputs: str) -> None:
+def check_divisible(
+    joint: JointGraph, plan: Plan, mesh_shape: tuple[int, ...], inputs: str
+) -> None:
     """Every planned placement (outputs and required inputs) divides the new shapes."""
     for node, placements, role in _planned_layouts(joint, plan):
         value = node.meta.get("val")
@@ -134,7 +149,9 @@ def check_divisible(joint: JointGraph, plan: Plan, mesh_shape: tuple[int, ...], 
             if not isinstance(item, torch.Tensor) or layout is None:
                 continue
             if not evenly_divisible(layout, item.shape, mesh_shape):
-                raise DynamicShapeError(_not_divisible(node.name, role, tuple(item.shape), layout, mesh_shape, inputs))
+                raise DynamicShapeError(
+                    _not_divisible(node.name, role, tuple(item.shape), layout, mesh_shape, inputs)
+                )
 
 
 def _planned_layouts(joint: JointGraph, plan: Plan) -> list[tuple[fx.Node, Any, str]]:
@@ -154,7 +171,9 @@ def _planned_layouts(joint: JointGraph, plan: Plan) -> list[tuple[fx.Node, Any, 
     return layouts
 
 
-def _not_divisible(name: str, role: str, shape: tuple, placements: Any, mesh_shape: tuple, inputs: str) -> str:
+def _not_divisible(
+    name: str, role: str, shape: tuple, placements: Any, mesh_shape: tuple, inputs: str
+) -> str:
     divisors = [1] * len(shape)
     for mesh_size, placement in zip(mesh_shape, placements):
         if isinstance(placement, Shard):

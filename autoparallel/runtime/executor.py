@@ -21,8 +21,9 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -30,12 +31,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
-from autoparallel.fx_args import tensor_input_nodes
 from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
-from autoparallel.sharding_constraint import sharding_constraint_op
-from autoparallel.solver.plan import Plan
-from autoparallel.strategies.types import is_multi
-from autoparallel.trace import JointGraph
+from autoparallel.trace.fx_args import tensor_input_nodes
+from autoparallel.trace.sharding_constraint import sharding_constraint_op
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.placements import is_multi
+from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,14 @@ class NodeProgram:
 class JointExecutor:
     """Evaluates the forward and backward phases of a planned joint graph on one rank."""
 
-    def __init__(self, joint: JointGraph, plan: Plan, mesh: DeviceMesh, local_sources: set[str], device: torch.device):
+    def __init__(
+        self,
+        joint: JointGraph,
+        plan: Plan,
+        mesh: DeviceMesh,
+        local_sources: set[str],
+        device: torch.device,
+    ):
         self.joint = joint
         self.plan = plan
         self.mesh = mesh
@@ -67,7 +75,9 @@ class JointExecutor:
             node_plan = plan.nodes[node.name]
             slots = {a.slot: a.dst for a in node_plan.arguments if a.kind == "arg"}
             routes = {a.slot: a.route for a in node_plan.arguments if a.kind == "arg" and a.route}
-            self.programs[node] = NodeProgram(node, slots, node_plan.strategy.output, node.name in local_sources, routes)
+            self.programs[node] = NodeProgram(
+                node, slots, node_plan.strategy.output, node.name in local_sources, routes
+            )
         # routes of the boundary edges (gradients into their parameter/input, outputs into
         # their tangent), read once here rather than on every call
         self.boundary_routes = {
@@ -76,17 +86,26 @@ class JointExecutor:
             for a in node_plan.arguments
             if a.kind != "arg" and a.route
         }
-        self.forward_order = [n for n in graph.nodes if n in joint.forward_nodes and n in self.programs]
-        self.backward_order = [n for n in graph.nodes if n not in joint.forward_nodes and n in self.programs]
+        self.forward_order = [
+            n for n in graph.nodes if n in joint.forward_nodes and n in self.programs
+        ]
+        self.backward_order = [
+            n for n in graph.nodes if n not in joint.forward_nodes and n in self.programs
+        ]
         backward_set = set(self.backward_order)
         # forward values the backward phase reads: the "saved activations"
         self.saved_for_backward = {
             inp for n in self.backward_order for inp in n.all_input_nodes if inp not in backward_set
-        } | {g for g in list(joint.param_grads.values()) + list(joint.input_grads.values()) if g not in backward_set}
+        } | {
+            g
+            for g in list(joint.param_grads.values()) + list(joint.input_grads.values())
+            if g not in backward_set
+        }
         self.saved_for_backward -= set(joint.tangents.values())
         self.inference_order = self._needed_for_outputs()
         self.gather_plans = {
-            id(order): self._plan_gathers(order) for order in (self.forward_order, self.backward_order, self.inference_order)
+            id(order): self._plan_gathers(order)
+            for order in (self.forward_order, self.backward_order, self.inference_order)
         }
 
     def _plan_gathers(self, order: Sequence[fx.Node]) -> GatherPlan:
@@ -99,11 +118,21 @@ class JointExecutor:
             for slot, producer in enumerate(tensor_input_nodes(node)):
                 wanted = program.input_placements.get(slot)
                 name = names.get(producer)
-                if name is None or wanted is None or is_multi(wanted) or program.input_routes.get(slot):
+                if (
+                    name is None
+                    or wanted is None
+                    or is_multi(wanted)
+                    or program.input_routes.get(slot)
+                ):
                     continue
                 value = producer.meta["val"]
                 group = plan_gather(
-                    name, tuple(self.plan.param_placements[name]), tuple(wanted), tuple(value.shape), value.dtype, mesh_shape
+                    name,
+                    tuple(self.plan.param_placements[name]),
+                    tuple(wanted),
+                    tuple(value.shape),
+                    value.dtype,
+                    mesh_shape,
                 )
                 if group is not None:
                     reads.append(((producer, tuple(wanted)), group))
@@ -128,7 +157,9 @@ class JointExecutor:
         for node in order:
             env[node] = self._evaluate(self.programs[node], env, gathers)
 
-    def leave(self, value: DTensor, consumer: fx.Node, kind: str, placements: Sequence) -> torch.Tensor:
+    def leave(
+        self, value: DTensor, consumer: fx.Node, kind: str, placements: Sequence
+    ) -> torch.Tensor:
         """The local tensor of ``value`` once it has followed the planned boundary route
         (``kind`` "param_grad", "input_grad" or "output") into ``consumer``'s placements."""
         return redistribute_along(value, self.boundary_route(consumer, kind), placements).to_local()
@@ -137,7 +168,9 @@ class JointExecutor:
         """The placements in between of the planned boundary move into ``consumer``."""
         return self.boundary_routes.get((consumer.name, kind), ())
 
-    def _evaluate(self, program: NodeProgram, env: dict[fx.Node, Any], gathers: ParameterGathers | None = None) -> Any:
+    def _evaluate(
+        self, program: NodeProgram, env: dict[fx.Node, Any], gathers: ParameterGathers | None = None
+    ) -> Any:
         node = program.node
         if node.target is operator.getitem:
             producer, index = node.args
@@ -150,7 +183,12 @@ class JointExecutor:
             slot = next(slot_counter)
             value = env[arg]
             wanted = program.input_placements.get(slot)
-            if gathers is not None and arg.op == "placeholder" and wanted is not None and not is_multi(wanted):
+            if (
+                gathers is not None
+                and arg.op == "placeholder"
+                and wanted is not None
+                and not is_multi(wanted)
+            ):
                 gathered = gathers.take(arg, tuple(wanted), env)
                 value = value if gathered is None else gathered
             if isinstance(value, DTensor) and wanted is not None and not is_multi(wanted):

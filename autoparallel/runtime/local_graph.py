@@ -10,13 +10,14 @@ Tracing runs the phase once (with its collectives) on real data; every rank reac
 first call together, as in any SPMD program, so the collectives match.
 
 Under ``torch.compile`` the phases are not traced here: AOTAutograd traces them itself
-(see runtime/module.py and compile.py) and Inductor compiles the result.
+(see runtime/module.py and runtime/compile.py) and Inductor compiles the result.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -34,7 +35,9 @@ class SavedSlot:
     arity: int  # length of the multi-output value (0 for a single tensor)
 
 
-def flatten_saved(env: dict[fx.Node, Any], nodes: list[fx.Node]) -> tuple[list[torch.Tensor], list[SavedSlot]]:
+def flatten_saved(
+    env: dict[fx.Node, Any], nodes: list[fx.Node]
+) -> tuple[list[torch.Tensor], list[SavedSlot]]:
     """Local tensors of the saved values, and how to rebuild them as DTensors."""
     tensors, slots = [], []
     for node in nodes:
@@ -50,7 +53,9 @@ def flatten_saved(env: dict[fx.Node, Any], nodes: list[fx.Node]) -> tuple[list[t
     return tensors, slots
 
 
-def rebuild_saved(tensors: list[torch.Tensor], slots: list[SavedSlot], mesh: Any) -> dict[fx.Node, Any]:
+def rebuild_saved(
+    tensors: list[torch.Tensor], slots: list[SavedSlot], mesh: Any
+) -> dict[fx.Node, Any]:
     env: dict[fx.Node, Any] = {}
     for tensor, slot in zip(tensors, slots):
         value = DTensor.from_local(tensor, mesh, slot.placements, run_check=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -32,10 +33,11 @@ from autoparallel.runtime.coalesce import reduce_gradients
 from autoparallel.runtime.dynamic import ShapeVariants
 from autoparallel.runtime.executor import JointExecutor
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
-from autoparallel.shapes import local_shape
-from autoparallel.solver.plan import Plan
-from autoparallel.strategies.types import StrategySpace, placement_str
-from autoparallel.trace import JointGraph
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.placements import placement_str
+from autoparallel.types.plan import Plan
+from autoparallel.types.strategies import StrategySpace
+from autoparallel.types.tensors import local_shape
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +70,37 @@ def apply_placement(
 
     runtime = make_runtime(joint)
     if dynamic:
-        runtime.variants = ShapeVariants(model, mp_policy, joint, plan, tuple(mesh.shape), make_runtime)
+        runtime.variants = ShapeVariants(
+            model, mp_policy, joint, plan, tuple(mesh.shape), make_runtime
+        )
     parallel = _copy_with_dtensors(model, plan, mesh)
-    cls = type(model)
-    parallel_cls = type(
-        f"AutoParallel{cls.__name__}",
-        (cls,),
-        {"forward": _parallel_forward, "load_state_dict": _load_state_dict, "__module__": cls.__module__},
-    )
-    parallel.__class__ = parallel_cls
+    parallel.__class__ = _parallel_class(type(model))
     object.__setattr__(parallel, "_autoparallel", runtime)
     return parallel
+
+
+# user class -> its parallel subclass. A pure function of the class (the subclass holds no
+# plan or state: that lives on each instance), memoized as FSDP2's fully_shard does, so that
+# every parallel module of one class shares one type (torch.compile guards on the type, and
+# isinstance/pickling see one class). Weak keys: a user class that goes away is dropped.
+_PARALLEL_CLASSES: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
+def _parallel_class(cls: type) -> type:
+    """The subclass of the user's class whose ``forward`` runs the plan."""
+    parallel_cls = _PARALLEL_CLASSES.get(cls)
+    if parallel_cls is None:
+        parallel_cls = type(
+            f"AutoParallel{cls.__name__}",
+            (cls,),
+            {
+                "forward": _parallel_forward,
+                "load_state_dict": _load_state_dict,
+                "__module__": cls.__module__,
+            },
+        )
+        _PARALLEL_CLASSES[cls] = parallel_cls
+    return parallel_cls
 
 
 def _copy_with_dtensors(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
@@ -87,7 +109,9 @@ def _copy_with_dtensors(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
         if id(param) in memo:
             continue
         placements = plan.param_placements[name]
-        memo[id(param)] = nn.Parameter(_to_dtensor(param.detach(), mesh, placements), requires_grad=param.requires_grad)
+        memo[id(param)] = nn.Parameter(
+            _to_dtensor(param.detach(), mesh, placements), requires_grad=param.requires_grad
+        )
     for name, buffer in model.named_buffers(remove_duplicate=False):
         if id(buffer) in memo:
             continue
@@ -105,8 +129,12 @@ def _replicate(mesh: DeviceMesh) -> list:
 def _to_dtensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
     """Shard a full tensor by the plan; a meta tensor stays meta (only its local shape)."""
     if tensor.is_meta:
-        local = torch.empty(local_shape(tensor.shape, placements, mesh.shape), dtype=tensor.dtype, device="meta")
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
+        local = torch.empty(
+            local_shape(tensor.shape, placements, mesh.shape), dtype=tensor.dtype, device="meta"
+        )
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
     return distribute_tensor(tensor.to(mesh.device_type), mesh, placements, src_data_rank=None)
 
 
@@ -121,7 +149,8 @@ class _Runtime:
         self.input_shapes = [tuple(n.meta["val"].shape) for n in joint.user_inputs]
         self.input_dtypes = [n.meta["val"].dtype for n in joint.user_inputs]
         self.local_input_shapes = [
-            local_shape(shape, placements, mesh.shape) for shape, placements in zip(self.input_shapes, plan.input_placements)
+            local_shape(shape, placements, mesh.shape)
+            for shape, placements in zip(self.input_shapes, plan.input_placements)
         ]
         order = {node: i for i, node in enumerate(joint.graph.nodes)}
         self.saved_nodes = sorted(executor.saved_for_backward, key=order.__getitem__)
@@ -143,7 +172,7 @@ class _Runtime:
 
     # ------------------------------------------------------------------ inputs
 
-    def for_inputs(self, leaves: list[Any], spec: Any) -> "_Runtime":
+    def for_inputs(self, leaves: list[Any], spec: Any) -> _Runtime:
         """The runtime that runs these inputs: this one, or (dynamic) the one for their sizes."""
         self._check_structure(leaves, spec)
         if self.variants is not None and torch.compiler.is_compiling():
@@ -164,13 +193,19 @@ class _Runtime:
                 f"inputs have structure {spec} but the model was planned with {self.joint.in_spec}; "
                 "pass the same arguments (positional/keyword) as input_fn() returned"
             )
-        for index, (leaf, shape, dtype) in enumerate(zip(leaves, self.input_shapes, self.input_dtypes)):
+        for index, (leaf, shape, dtype) in enumerate(
+            zip(leaves, self.input_shapes, self.input_dtypes)
+        ):
             if not isinstance(leaf, torch.Tensor):
-                raise InputMismatchError(f"input {index} must be a tensor, got {type(leaf).__name__}")
+                raise InputMismatchError(
+                    f"input {index} must be a tensor, got {type(leaf).__name__}"
+                )
             if leaf.dtype != dtype:
                 raise InputMismatchError(f"input {index}: expected dtype {dtype}, got {leaf.dtype}")
             if leaf.ndim != len(shape):
-                raise InputMismatchError(f"input {index}: expected {len(shape)} dimensions, got shape {tuple(leaf.shape)}")
+                raise InputMismatchError(
+                    f"input {index}: expected {len(shape)} dimensions, got shape {tuple(leaf.shape)}"
+                )
 
     def check_inputs(self, leaves: list[Any]) -> None:
         for index, (leaf, shape, placements, expected) in enumerate(
@@ -180,7 +215,11 @@ class _Runtime:
                 raise InputMismatchError(
                     f"input {index}: expected local shape {expected} on this rank, got {tuple(leaf.shape)}; "
                     f"{self._explain_local(shape, placements)}"
-                    + ("" if self.variants is not None else "; plan with dynamic=True to accept other sizes")
+                    + (
+                        ""
+                        if self.variants is not None
+                        else "; plan with dynamic=True to accept other sizes"
+                    )
                 )
 
     def _explain_local(self, shape: tuple, placements: tuple) -> str:
@@ -190,7 +229,9 @@ class _Runtime:
             dim = getattr(placement, "dim", None)
             if dim is not None:
                 size = self.mesh.shape[mesh_dim]
-                parts.append(f"tensor dim {dim} ({shape[dim]}) sharded over {names[mesh_dim]}={size}")
+                parts.append(
+                    f"tensor dim {dim} ({shape[dim]}) sharded over {names[mesh_dim]}={size}"
+                )
         how = ", ".join(parts) if parts else "replicated: every rank gets the whole tensor"
         return f"global shape {shape} with placements {placement_str(placements)}: {how}"
 
@@ -201,12 +242,20 @@ class _Runtime:
     def _environment(self, flat: tuple) -> dict[fx.Node, Any]:
         joint, plan, mesh = self.joint, self.plan, self.mesh
         num_params, num_buffers = len(joint.params), len(joint.buffers)
-        params, buffers, inputs = flat[:num_params], flat[num_params : num_params + num_buffers], flat[num_params + num_buffers :]
+        params, buffers, inputs = (
+            flat[:num_params],
+            flat[num_params : num_params + num_buffers],
+            flat[num_params + num_buffers :],
+        )
         env: dict[fx.Node, Any] = {}
         for (name, node), local in zip(joint.params.items(), params):
-            env[node] = DTensor.from_local(local, mesh, plan.param_placements[name], run_check=False)
+            env[node] = DTensor.from_local(
+                local, mesh, plan.param_placements[name], run_check=False
+            )
         for (name, node), local in zip(joint.buffers.items(), buffers):
-            env[node] = DTensor.from_local(local, mesh, plan.buffer_placements[name], run_check=False)
+            env[node] = DTensor.from_local(
+                local, mesh, plan.buffer_placements[name], run_check=False
+            )
         for node, local, placements in zip(joint.user_inputs, inputs, plan.input_placements):
             env[node] = DTensor.from_local(local, mesh, placements, run_check=False)
         return env
@@ -214,7 +263,9 @@ class _Runtime:
     def _outputs(self, env: dict) -> list[torch.Tensor]:
         joint, plan = self.joint, self.plan
         found = []
-        for index, (output, placements) in enumerate(zip(joint.user_outputs, plan.output_placements)):
+        for index, (output, placements) in enumerate(
+            zip(joint.user_outputs, plan.output_placements)
+        ):
             if output is None:
                 continue
             tangent = joint.tangents.get(index)
@@ -240,17 +291,27 @@ class _Runtime:
         for index, grad in zip(self.output_indices, flat[num_saved:]):
             tangent = joint.tangents.get(index)
             if tangent is not None:
-                env[tangent] = DTensor.from_local(grad.contiguous(), mesh, plan.output_placements[index], run_check=False)
+                env[tangent] = DTensor.from_local(
+                    grad.contiguous(), mesh, plan.output_placements[index], run_check=False
+                )
         self.executor.run(env, self.executor.backward_order)
         leave = self.executor.leave
         grads = reduce_gradients(
             [env[joint.param_grads[name]] for name in self.params_with_grad],
-            [self.executor.boundary_route(joint.params[name], "param_grad") for name in self.params_with_grad],
+            [
+                self.executor.boundary_route(joint.params[name], "param_grad")
+                for name in self.params_with_grad
+            ],
             [plan.param_placements[name] for name in self.params_with_grad],
             mesh,
         )
         grads += [
-            leave(env[joint.input_grads[i]], joint.user_inputs[i], "input_grad", plan.input_placements[i])
+            leave(
+                env[joint.input_grads[i]],
+                joint.user_inputs[i],
+                "input_grad",
+                plan.input_placements[i],
+            )
             for i in self.inputs_with_grad
         ]
         return grads
@@ -289,7 +350,9 @@ class _JointFunction(torch.autograd.Function):
 
 
 @internals.nonstrict_trace
-def _run_joint(runtime: _Runtime, num_params: int, num_buffers: int, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _run_joint(
+    runtime: _Runtime, num_params: int, num_buffers: int, *flat: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     return _JointFunction.apply(runtime, num_params, num_buffers, *flat)
 
 
@@ -327,7 +390,9 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return tree_unflatten(outputs, runtime.joint.out_spec)
 
 
-def _load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+def _load_state_dict(
+    self: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False
+) -> Any:
     """``load_state_dict`` accepting full (unsharded) tensors as well as DTensors.
 
     A plain tensor loaded into a DTensor parameter or buffer is sharded on the way in: every
@@ -337,11 +402,20 @@ def _load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assi
     converted = {}
     for key, value in state_dict.items():
         target = current.get(key)
-        if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        if (
+            isinstance(target, DTensor)
+            and isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+        ):
             if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
+                raise ValueError(
+                    f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}"
+                )
             value = distribute_tensor(
-                value.to(device=target.device, dtype=target.dtype), target.device_mesh, target.placements, src_data_rank=None
+                value.to(device=target.device, dtype=target.dtype),
+                target.device_mesh,
+                target.placements,
+                src_data_rank=None,
             )
         converted[key] = value
     return nn.Module.load_state_dict(self, converted, strict=strict, assign=assign)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoparallel import _torch_internals as internals
 
+
 def layer_of(name: str) -> str:
     """The numbered layer a parameter belongs to (``layers.3.attention.wq.weight`` ->
     ``layers.3.``), or ``""`` for one outside numbered layers."""
@@ -50,7 +51,7 @@ class GatherPlan:
     members: dict[Gather, list[tuple]]
 
     @classmethod
-    def of_reads(cls, reads: list[tuple[tuple, Gather]]) -> "GatherPlan":
+    def of_reads(cls, reads: list[tuple[tuple, Gather]]) -> GatherPlan:
         """The plan for a phase's gatherable reads, in order: (key, group) per read. Groups
         of a single parameter are left out (nothing to coalesce)."""
         members: dict[Gather, list[tuple]] = {}
@@ -64,7 +65,14 @@ class GatherPlan:
         return cls(group_of, {key: counts[key] for key in group_of}, members)
 
 
-def plan_gather(param_name: str, source: tuple, wanted: tuple, shape: tuple, dtype: torch.dtype, mesh_shape: tuple) -> Gather | None:
+def plan_gather(
+    param_name: str,
+    source: tuple,
+    wanted: tuple,
+    shape: tuple,
+    dtype: torch.dtype,
+    mesh_shape: tuple,
+) -> Gather | None:
     """The group of a parameter read in ``wanted`` placements, when the move from its own
     ``source`` placements is one all-gather (Shard -> Replicate on one mesh dim) of evenly
     divided shards; None otherwise."""
@@ -120,6 +128,11 @@ class ParameterGathers:
         offset = 0
         for (node, wanted), value, tensor in zip(members, values, tensors):
             shard_dim = value.placements[group.mesh_dim].dim
-            pieces = [rows[rank, offset : offset + tensor.numel()].view(tensor.shape) for rank in range(ranks)]
+            pieces = [
+                rows[rank, offset : offset + tensor.numel()].view(tensor.shape)
+                for rank in range(ranks)
+            ]
             offset += tensor.numel()
-            self.ready[(node, wanted)] = DTensor.from_local(torch.cat(pieces, dim=shard_dim), self.mesh, wanted, run_check=False)
+            self.ready[(node, wanted)] = DTensor.from_local(
+                torch.cat(pieces, dim=shard_dim), self.mesh, wanted, run_check=False
+            )

@@ -22,29 +22,15 @@ check, ``AutoParallel(..., fold=False)`` builds the unreduced problem.
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from autoparallel.strategies.types import StrategySpace
-from autoparallel.trace import JointGraph
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.problem import Folding
+from autoparallel.types.strategies import StrategySpace
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class Folding:
-    """Node -> representative; a node that is its own representative is not folded."""
-
-    representative: dict[fx.Node, fx.Node]
-
-    @property
-    def num_classes(self) -> int:
-        return len(set(self.representative.values()))
-
-    @property
-    def num_folded(self) -> int:
-        return sum(1 for node, rep in self.representative.items() if node is not rep)
 
 
 def no_folding(space: StrategySpace) -> Folding:
@@ -69,12 +55,18 @@ def find_repeated_nodes(joint: JointGraph, space: StrategySpace, min_repeats: in
     # Phases by graph region: everything from the first tangent-dependent node on is the
     # backward region (it also holds forward-only helpers such as transposed weights that
     # the backward reads), so each region keeps one clean layer period.
-    first_backward = next((i for i, n in enumerate(calls) if n not in joint.forward_nodes), len(calls))
+    first_backward = next(
+        (i for i, n in enumerate(calls) if n not in joint.forward_nodes), len(calls)
+    )
     for phase_nodes in (calls[:first_backward], calls[first_backward:]):
         for a, b in _verified_pairs(phase_nodes, space, joint.forward_nodes):
             union(a, b)
             for input_a, input_b in zip(space[a].input_nodes, space[b].input_nodes):
-                if input_a is not input_b and input_a.op == "placeholder" and _same_placeholder_kind(input_a, input_b, joint, space):
+                if (
+                    input_a is not input_b
+                    and input_a.op == "placeholder"
+                    and _same_placeholder_kind(input_a, input_b, joint, space)
+                ):
                     union(input_a, input_b)
 
     # representative = first member in graph order, so logs name the first layer
@@ -90,7 +82,12 @@ def find_repeated_nodes(joint: JointGraph, space: StrategySpace, min_repeats: in
         for node in interior:
             representative[node] = interior[0]
     folding = Folding(representative)
-    logger.info("folding: %d nodes in %d classes (%d folded)", len(space.nodes), folding.num_classes, folding.num_folded)
+    logger.info(
+        "folding: %d nodes in %d classes (%d folded)",
+        len(space.nodes),
+        folding.num_classes,
+        folding.num_folded,
+    )
     return folding
 
 
@@ -99,7 +96,9 @@ def _signature(node: fx.Node, space: StrategySpace, forward: bool) -> tuple:
     if isinstance(value, torch.Tensor):
         shape: object = (tuple(value.shape), value.dtype)
     else:
-        shape = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in value)
+        shape = tuple(
+            (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in value
+        )
     return (node.target, shape, id(space[node].strategies), len(space[node].input_nodes), forward)
 
 
@@ -118,7 +117,9 @@ def _period(signatures: list[tuple]) -> int | None:
     return best if votes[best] >= 2 else None
 
 
-def _verified_pairs(nodes: list[fx.Node], space: StrategySpace, forward_nodes: set) -> list[tuple[fx.Node, fx.Node]]:
+def _verified_pairs(
+    nodes: list[fx.Node], space: StrategySpace, forward_nodes: set
+) -> list[tuple[fx.Node, fx.Node]]:
     signatures = [_signature(n, space, n in forward_nodes) for n in nodes]
     period = _period(signatures)
     if period is None:
@@ -129,7 +130,10 @@ def _verified_pairs(nodes: list[fx.Node], space: StrategySpace, forward_nodes: s
         a, b = nodes[i], nodes[i + period]
         if signatures[i] != signatures[i + period]:
             continue
-        if all(_inputs_correspond(x, y, position, period) for x, y in zip(space[a].input_nodes, space[b].input_nodes)):
+        if all(
+            _inputs_correspond(x, y, position, period)
+            for x, y in zip(space[a].input_nodes, space[b].input_nodes)
+        ):
             pairs.append((a, b))
     return pairs
 
@@ -150,4 +154,8 @@ def _inputs_correspond(x: fx.Node, y: fx.Node, position: dict[fx.Node, int], per
 
 def _same_placeholder_kind(a: fx.Node, b: fx.Node, joint: JointGraph, space: StrategySpace) -> bool:
     role = joint.placeholder_role(a)
-    return role in ("param", "buffer") and role == joint.placeholder_role(b) and space[a].strategies is space[b].strategies
+    return (
+        role in ("param", "buffer")
+        and role == joint.placeholder_role(b)
+        and space[a].strategies is space[b].strategies
+    )

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import highspy
 import numpy as np
-import torch.fx as fx
 
-from autoparallel.solver.problem import Problem, Row
+from autoparallel.types.plan import Solution, SolverStats
+from autoparallel.types.problem import Problem, Row
 
 logger = logging.getLogger(__name__)
 
@@ -40,26 +40,6 @@ class InfeasibleConstraintsError(ValueError):
             "no plan satisfies these constraints together:\n"
             f"{lines}\nremove or change one of them (sharding_optimizer.remove_constraints([...]))"
         )
-
-
-@dataclass
-class SolverStats:
-    status: str
-    objective: float
-    bound: float
-    gap: float
-    time_s: float
-    num_variables: int
-    num_constraints: int
-    # "lp": the LP relaxation came out integral (a proven optimum without branching);
-    # "mip": branch and bound ran (small problems, or a fractional relaxation)
-    method: str = "mip"
-
-
-@dataclass
-class Solution:
-    choice: dict[fx.Node, int]
-    stats: SolverStats
 
 
 @dataclass
@@ -97,15 +77,24 @@ def _to_highs(problem: Problem, rows: list[Row]) -> highspy.HighsLp:
     starts[1:] = np.cumsum([len(r.columns) for r in rows])
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = starts
-    lp.a_matrix_.index_ = np.concatenate([r.columns for r in rows]).astype(np.int32) if rows else np.zeros(0, np.int32)
-    lp.a_matrix_.value_ = np.concatenate([r.values for r in rows]).astype(np.float64) if rows else np.zeros(0)
+    lp.a_matrix_.index_ = (
+        np.concatenate([r.columns for r in rows]).astype(np.int32)
+        if rows
+        else np.zeros(0, np.int32)
+    )
+    lp.a_matrix_.value_ = (
+        np.concatenate([r.values for r in rows]).astype(np.float64) if rows else np.zeros(0)
+    )
     lp.integrality_ = [
-        highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous for flag in problem.integrality
+        highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous
+        for flag in problem.integrality
     ]
     return lp
 
 
-def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) -> tuple[highspy.Highs, str, float]:
+def _run(
+    problem: Problem, constraint_names: list[str], options: SolverOptions
+) -> tuple[highspy.Highs, str, float]:
     """Solve; the returned Highs holds the solution. With ``lp_first``, an integral
     relaxation is returned as is (see the module docstring), else the MIP runs."""
     highs = highspy.Highs()
@@ -115,14 +104,22 @@ def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) 
     highs.setOptionValue("threads", int(options.threads))
     highs.passModel(_to_highs(problem, _all_rows(problem, constraint_names)))
     start = time.perf_counter()
-    if options.lp_first and problem.integrality.any() and problem.num_variables >= options.lp_first_min_variables:
+    if (
+        options.lp_first
+        and problem.integrality.any()
+        and problem.num_variables >= options.lp_first_min_variables
+    ):
         highs.setOptionValue("solve_relaxation", True)
         highs.run()
         status = highs.modelStatusToString(highs.getModelStatus())
-        if _is_infeasible(status) or (status.lower() == "optimal" and _integral(highs, problem, options)):
+        if _is_infeasible(status) or (
+            status.lower() == "optimal" and _integral(highs, problem, options)
+        ):
             return highs, status, time.perf_counter() - start
         highs.setOptionValue("solve_relaxation", False)
-        highs.setOptionValue("time_limit", max(1.0, float(options.time_limit_s) - (time.perf_counter() - start)))
+        highs.setOptionValue(
+            "time_limit", max(1.0, float(options.time_limit_s) - (time.perf_counter() - start))
+        )
         logger.info("LP relaxation is fractional: running branch and bound")
     highs.run()
     elapsed = time.perf_counter() - start
@@ -148,18 +145,28 @@ def solve(problem: Problem, options: SolverOptions | None = None) -> Solution:
     highs, status, elapsed = _run(problem, names, options)
     if _is_infeasible(status):
         conflict = _minimal_conflict(problem, names, options)
-        raise InfeasibleConstraintsError(conflict, [problem.user_constraints[n].description for n in conflict])
+        raise InfeasibleConstraintsError(
+            conflict, [problem.user_constraints[n].description for n in conflict]
+        )
     info = highs.getInfo()
     values = np.asarray(highs.getSolution().col_value)
     if len(values) != problem.num_variables:
         raise RuntimeError(f"HiGHS returned no solution (status: {status})")
-    relaxation = bool(highs.getOptionValue("solve_relaxation")[1]) if problem.integrality.any() else True
+    relaxation = (
+        bool(highs.getOptionValue("solve_relaxation")[1]) if problem.integrality.any() else True
+    )
     # an integral relaxation is a proven optimum: its objective is also the bound
     bound = float(info.objective_function_value) if relaxation else float(info.mip_dual_bound)
     gap = 0.0 if relaxation else float(info.mip_gap)
     if status.lower() not in ("optimal",):
-        logger.warning("solver stopped with status %r; using the best plan found (gap %.2f%%)", status, 100 * gap)
-    choice = {node: int(np.argmax(values[columns])) for node, columns in problem.node_columns.items()}
+        logger.warning(
+            "solver stopped with status %r; using the best plan found (gap %.2f%%)",
+            status,
+            100 * gap,
+        )
+    choice = {
+        node: int(np.argmax(values[columns])) for node, columns in problem.node_columns.items()
+    }
     stats = SolverStats(
         status=status,
         objective=float(info.objective_function_value),

@@ -7,107 +7,47 @@ compared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from autoparallel.cost.tables import EdgeCost
-from autoparallel.solver.highs import Solution, SolverStats
-from autoparallel.solver.problem import Problem
-from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
-
-
-@dataclass(frozen=True)
-class ArgumentCost:
-    """How one input slot of a node is fed: producer placement -> required placement."""
-
-    producer: str
-    slot: int
-    kind: str  # "arg", "param_grad", "input_grad", "output"
-    src: OutputPlacements
-    dst: OutputPlacements
-    comm_us: float
-    transition_us: float
-    # placements visited between src and dst, one mesh dim changing per step (the priced
-    # route, which the runtime follows); () when src -> dst is a single step or no change
-    route: tuple[OutputPlacements, ...] = ()
-
-    @property
-    def is_redistribution(self) -> bool:
-        return self.src != self.dst
-
-    @property
-    def steps(self) -> list[tuple[OutputPlacements, OutputPlacements]]:
-        """(from, to) of each step of the redistribution, in execution order."""
-        states = [self.src, *self.route, self.dst]
-        return [(a, b) for a, b in zip(states, states[1:]) if a != b]
-
-
-@dataclass
-class NodePlan:
-    name: str
-    target: str
-    shape: tuple[int, ...] | None
-    phase: str  # "placeholder", "forward" or "backward"
-    strategy: Strategy
-    compute_us: float
-    arguments: list[ArgumentCost] = field(default_factory=list)
-
-    @property
-    def comm_us(self) -> float:
-        return sum(a.comm_us for a in self.arguments)
-
-    @property
-    def transition_us(self) -> float:
-        return sum(a.transition_us for a in self.arguments)
-
-
-@dataclass(frozen=True)
-class CostTotals:
-    total_us: float
-    comm_us: float
-    compute_us: float
-    transition_us: float
-
-
-@dataclass
-class Plan:
-    mesh_shape: tuple[int, ...]
-    mesh_dim_names: tuple[str, ...] | None
-    nodes: dict[str, NodePlan]
-    param_placements: dict[str, Placements]
-    buffer_placements: dict[str, Placements]
-    input_placements: list[Placements]
-    output_placements: list[Placements | None]
-    totals: CostTotals
-    solver: SolverStats
-    fallbacks: list[str]
-
-    def redistributions(self) -> list[tuple[str, ArgumentCost]]:
-        """Every (consumer node name, argument) where a collective or local reshard happens."""
-        return [(name, arg) for name, node in self.nodes.items() for arg in node.arguments if arg.is_redistribution]
+from autoparallel.types.costs import EdgeCost
+from autoparallel.types.placements import OutputPlacements, Placements
+from autoparallel.types.plan import ArgumentCost, CostTotals, NodePlan, Plan, Solution
+from autoparallel.types.problem import Problem
 
 
 def _pair_price(edge: EdgeCost, src_index: int, dst_index: int) -> tuple[float, float]:
     """(comm, transition) of one pair: straight from the route table when the edge has one
     (the numbers its pair table was filled with), else by scanning its (small) pair list."""
     if edge.routes is not None:
-        return edge.routes.table.price(edge.routes.src_states[src_index], edge.routes.dst_states[dst_index])
-    return next(((c, t) for i, j, c, t in edge.pairs if i == src_index and j == dst_index), (float("nan"), 0.0))
+        return edge.routes.table.price(
+            edge.routes.src_states[src_index], edge.routes.dst_states[dst_index]
+        )
+    return next(
+        ((c, t) for i, j, c, t in edge.pairs if i == src_index and j == dst_index),
+        (float("nan"), 0.0),
+    )
 
 
-def _route(edge: EdgeCost, src: OutputPlacements, dst: OutputPlacements) -> tuple[OutputPlacements, ...]:
+def _route(
+    edge: EdgeCost, src: OutputPlacements, dst: OutputPlacements
+) -> tuple[OutputPlacements, ...]:
     """Intermediate placements of the priced route (none for direct-model edges)."""
     if edge.routes is None or src == dst:
         return ()
     return tuple(edge.routes.pricer.route(src, dst)[1:-1])
 
 
-def build_plan(problem: Problem, solution: Solution, mesh_dim_names: tuple[str, ...] | None) -> Plan:
+def build_plan(
+    problem: Problem, solution: Solution, mesh_dim_names: tuple[str, ...] | None
+) -> Plan:
     joint, space, tables = problem.joint, problem.space, problem.tables
     choice = solution.choice
     nodes: dict[str, NodePlan] = {}
     for node, ns in space.nodes.items():
         value = node.meta.get("val")
-        phase = "placeholder" if node.op == "placeholder" else ("forward" if node in joint.forward_nodes else "backward")
+        phase = (
+            "placeholder"
+            if node.op == "placeholder"
+            else ("forward" if node in joint.forward_nodes else "backward")
+        )
         nodes[node.name] = NodePlan(
             name=node.name,
             target=str(node.target) if node.op != "placeholder" else joint.placeholder_role(node),

@@ -27,188 +27,19 @@ an infeasible problem can be explained by the constraints in conflict.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch.fx as fx
 
-from autoparallel.cost.tables import CostTables, EdgeCost
-from autoparallel.shapes import local_shape
-from autoparallel.solver.folding import Folding, no_folding
-from autoparallel.strategies.types import OutputPlacements, StrategySpace, placement_str
-from autoparallel.trace import JointGraph
+from autoparallel.solver.folding import no_folding
+from autoparallel.types.costs import CostTables, EdgeCost
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.problem import Folding, Problem, Row
+from autoparallel.types.strategies import StrategySpace
 
 logger = logging.getLogger(__name__)
 
 MIB = float(1 << 20)
-
-
-@dataclass
-class Row:
-    """One linear constraint ``lower <= sum(values * x[columns]) <= upper``."""
-
-    columns: np.ndarray
-    values: np.ndarray
-    lower: float
-    upper: float
-
-
-@dataclass(frozen=True)
-class EdgeMove:
-    """One edge column: it moves the value from ``src`` to ``dst`` placements for ``comm_us``."""
-
-    column: int
-    src: object
-    dst: object
-    comm_us: float
-
-
-@dataclass
-class UserConstraint:
-    """A named constraint the user asked for; ``rows`` are added to the structural ones."""
-
-    name: str
-    description: str
-    rows: list[Row]
-
-
-@dataclass
-class Problem:
-    joint: JointGraph
-    space: StrategySpace
-    tables: CostTables
-    node_columns: dict[fx.Node, np.ndarray]
-    edge_columns: list[np.ndarray]
-    objective: np.ndarray
-    integrality: np.ndarray
-    rows: list[Row]
-    folding: Folding | None = None
-    user_constraints: dict[str, UserConstraint] = field(default_factory=dict)
-    # per edge: "pairs" (edge_columns[e][k] is edge.pairs[k]) or "routes" (edge_columns[e][k]
-    # is arc k of edge.routes.table); empty means all pairs
-    edge_encodings: list[str] = field(default_factory=list)
-
-    def edge_encoding(self, index: int) -> str:
-        return self.edge_encodings[index] if self.edge_encodings else "pairs"
-
-    def edge_moves(self, index: int) -> list[EdgeMove]:
-        """What each column of edge ``index`` moves: a placement pair or one route step."""
-        edge, columns = self.tables.edges[index], self.edge_columns[index]
-        if self.edge_encoding(index) == "pairs":
-            return [
-                EdgeMove(int(column), edge.src_options[i], edge.dst_options[j], comm)
-                for column, (i, j, comm, _) in zip(columns, edge.pairs)
-            ]
-        assert edge.routes is not None
-        pricer, table = edge.routes.pricer, edge.routes.table
-        return [
-            EdgeMove(int(column), pricer.placements_of_state(int(a)), pricer.placements_of_state(int(b)), float(comm))
-            for column, a, b, comm in zip(columns, table.arc_src, table.arc_dst, table.arc_comm)
-        ]
-
-    @property
-    def num_variables(self) -> int:
-        return len(self.objective)
-
-    @property
-    def num_constraints(self) -> int:
-        return len(self.rows) + sum(len(c.rows) for c in self.user_constraints.values())
-
-    # ------------------------------------------------------------------ user constraints
-
-    def add_constraint(self, constraint: UserConstraint) -> str:
-        if constraint.name in self.user_constraints:
-            raise ValueError(f"a constraint named {constraint.name!r} already exists")
-        self.user_constraints[constraint.name] = constraint
-        return constraint.name
-
-    def remove_constraints(self, names: list[str]) -> None:
-        unknown = [n for n in names if n not in self.user_constraints]
-        if unknown:
-            raise KeyError(f"no such constraints: {unknown}; existing: {sorted(self.user_constraints)}")
-        for name in names:
-            del self.user_constraints[name]
-
-    def placement_constraint(self, name: str, node: fx.Node, placements: OutputPlacements, what: str) -> UserConstraint:
-        """Force ``node`` to produce ``placements`` (raises if no strategy can)."""
-        ns = self.space[node]
-        matching = [i for i, s in enumerate(ns.strategies) if s.output == tuple(placements)]
-        if not matching:
-            offered = ", ".join(placement_str(p) for p in ns.output_placements())
-            raise ValueError(
-                f"{what} cannot be {placement_str(tuple(placements))}: for shape "
-                f"{tuple(node.meta['val'].shape)} on mesh {self.space.mesh_shape} the possible placements are "
-                f"{offered}"
-            )
-        columns = self.node_columns[node][matching]
-        row = Row(columns, np.ones(len(columns)), 1.0, 1.0)
-        return UserConstraint(name, f"{what} = {placement_str(tuple(placements))}", [row])
-
-    def parameter_bytes(self) -> tuple[np.ndarray, np.ndarray]:
-        """(columns, local bytes) of every parameter strategy: per-device parameter memory."""
-        columns, values = [], []
-        mesh_shape = self.space.mesh_shape
-        for node in self._distinct_param_nodes():
-            value = node.meta["val"]
-            itemsize = value.element_size()
-            for column, strategy in zip(self.node_columns[node], self.space[node].strategies):
-                numel = int(np.prod(local_shape(value.shape, strategy.output, mesh_shape), dtype=np.int64))
-                columns.append(column)
-                values.append(float(numel * itemsize))
-        return np.array(columns, dtype=np.int64), np.array(values)
-
-    def _distinct_param_nodes(self) -> list[fx.Node]:
-        """One placeholder per parameter tensor: tied names count once in memory."""
-        duplicates = {name for group in self.joint.tied_params for name in group[1:]}
-        return [node for name, node in self.joint.params.items() if name not in duplicates]
-
-    def parameter_memory_range(self) -> tuple[float, float, float]:
-        """(fully replicated, smallest achievable, 1/world-size) per-device parameter bytes."""
-        columns, values = self.parameter_bytes()
-        replicated = smallest = 0.0
-        for node in self._distinct_param_nodes():
-            node_values = values[np.isin(columns, self.node_columns[node])]
-            replicated += float(node_values.max()) if len(node_values) else 0.0
-            smallest += float(node_values.min()) if len(node_values) else 0.0
-        world = float(np.prod(self.space.mesh_shape))
-        return replicated, smallest, replicated / world
-
-    def memory_constraint(self, name: str, low: float | None, high: float | None) -> UserConstraint:
-        """Per-device parameter bytes within [low, high].
-
-        Defaults: ``high`` is the smallest achievable per-device parameter memory (every
-        parameter as sharded as its shape allows: 1/world-size for shardable parameters,
-        replicated for ones too small or indivisible), so the constraint pushes toward
-        1/world-size and is always feasible; ``low`` is 0.
-        """
-        columns, values = self.parameter_bytes()
-        replicated, smallest, _ = self.parameter_memory_range()
-        upper = smallest * (1 + 1e-9) + 1.0 if high is None else float(high)
-        lower = 0.0 if low is None else float(low)
-        if lower > upper:
-            raise ValueError(f"parameter memory constraint has low={lower:.0f} B > high={upper:.0f} B")
-        rows = [_aggregated(Row(columns, values / MIB, lower / MIB, upper / MIB))]
-        if upper <= smallest * (1 + 1e-6) + 1.0:
-            rows.extend(self._smallest_memory_rows(columns, values))
-        description = (
-            f"parameter memory per device in [{lower / MIB:.2f}, {upper / MIB:.2f}] MiB "
-            f"(replicated {replicated / MIB:.2f} MiB, smallest possible {smallest / MIB:.2f} MiB)"
-        )
-        return UserConstraint(name, description, rows)
-
-    def _smallest_memory_rows(self, columns: np.ndarray, values: np.ndarray) -> list[Row]:
-        """When the bound equals the smallest achievable memory, every parameter must be at
-        its own minimum. Saying so per parameter is the same constraint, but it spares the
-        solver a knapsack row whose LP relaxation is weak (a 3-D mesh otherwise times out)."""
-        rows = []
-        for node in self._distinct_param_nodes():
-            mask = np.isin(columns, self.node_columns[node])
-            node_values = values[mask]
-            wasteful = columns[mask][node_values > node_values.min() * (1 + 1e-9)]
-            wasteful = np.unique(wasteful)  # folded parameters share columns
-            if len(wasteful):
-                rows.append(Row(wasteful, np.ones(len(wasteful)), 0.0, 0.0))
-        return rows
 
 
 def build_problem(
@@ -256,7 +87,9 @@ def build_problem(
             node_columns[rep] = new_columns(len(space[rep].strategies), integral=True)
             rows.append(Row(node_columns[rep], np.ones(len(node_columns[rep])), 1.0, 1.0))
         columns = node_columns[node] = node_columns[rep]
-        contributions.append((columns, as_array(tables.compute_us[node], lambda v: np.asarray(v, dtype=np.float64))))
+        contributions.append(
+            (columns, as_array(tables.compute_us[node], lambda v: np.asarray(v, dtype=np.float64)))
+        )
 
     edge_columns = []
     edge_encodings = []
@@ -264,14 +97,25 @@ def build_problem(
     groups = _Groups()
     for edge in tables.edges:
         encoding = "routes" if use_routes and _routes_are_smaller(edge) else "pairs"
-        key = (representative[edge.producer], representative[edge.consumer], edge.slot, edge.kind, id(edge.pairs))
+        key = (
+            representative[edge.producer],
+            representative[edge.consumer],
+            edge.slot,
+            edge.kind,
+            id(edge.pairs),
+        )
         columns = shared_edges.get(key)
         if encoding == "routes":
             table = edge.routes.table  # type: ignore[union-attr]
             if columns is None:
                 columns = shared_edges[key] = new_columns(table.num_arcs, integral=False)
                 rows.extend(_flow_rows(edge, columns, node_columns, groups))
-            contributions.append((columns, as_array(table.arc_comm, lambda comm: comm + table.step_tie_breaker)))
+            contributions.append(
+                (
+                    columns,
+                    as_array(table.arc_comm, lambda comm, tie=table.step_tie_breaker: comm + tie),
+                )
+            )
         else:
             if columns is None:
                 columns = shared_edges[key] = new_columns(len(edge.pairs), integral=False)
@@ -307,7 +151,10 @@ def build_problem(
     )
     logger.info(
         "problem: %d variables, %d constraints (%d nodes in %d classes)",
-        problem.num_variables, problem.num_constraints, len(space.nodes), folding.num_classes,
+        problem.num_variables,
+        problem.num_constraints,
+        len(space.nodes),
+        folding.num_classes,
     )
     return problem
 
@@ -317,7 +164,9 @@ def _routes_are_smaller(edge: EdgeCost) -> bool:
     return edge.routes is not None and 2 * edge.routes.table.num_arcs <= len(edge.pairs)
 
 
-def _flow_rows(edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray], groups: "_Groups") -> list[Row]:
+def _flow_rows(
+    edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray], groups: _Groups
+) -> list[Row]:
     """Per route state: arcs out - arcs in - producer x's there + consumer x's there = 0.
 
     One state's row is left out: the rows of all states sum to (consumer x's - producer x's),
@@ -338,16 +187,24 @@ def _flow_rows(edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, 
     rows = []
     for state in range(num_states - 1):
         out_cols, in_cols = columns[leaving[state]], columns[entering[state]]
-        supply_cols, demand_cols = producer_columns[supplies[state]], consumer_columns[demands[state]]
+        supply_cols, demand_cols = (
+            producer_columns[supplies[state]],
+            consumer_columns[demands[state]],
+        )
         row = Row(
             np.concatenate([out_cols, in_cols, supply_cols, demand_cols]),
             np.concatenate(
-                [np.ones(len(out_cols)), -np.ones(len(in_cols)), -np.ones(len(supply_cols)), np.ones(len(demand_cols))]
+                [
+                    np.ones(len(out_cols)),
+                    -np.ones(len(in_cols)),
+                    -np.ones(len(supply_cols)),
+                    np.ones(len(demand_cols)),
+                ]
             ),
             0.0,
             0.0,
         )
-        rows.append(_aggregated(row) if overlap else row)
+        rows.append(row.merged() if overlap else row)
     return rows
 
 
@@ -382,31 +239,29 @@ class _Groups:
         key = ("mapped", id(states), id(of_strategy))
         found = self._found.get(key)
         if found is None:
-            found = self._found[key] = np.asarray(states, dtype=np.int64)[np.asarray(of_strategy, dtype=np.int64)]
+            found = self._found[key] = np.asarray(states, dtype=np.int64)[
+                np.asarray(of_strategy, dtype=np.int64)
+            ]
             self._keep.extend([states, of_strategy])
         return found  # type: ignore[return-value]
 
-    def split(self, key_object: object, position: int | None, values, count: int) -> list[np.ndarray]:
+    def split(
+        self, key_object: object, position: int | None, values, count: int
+    ) -> list[np.ndarray]:
         key = (id(key_object), position, count)
         found = self._found.get(key)
         if found is None:
             if position is None:
                 of = np.asarray(values, dtype=np.int64)
             else:
-                of = np.fromiter((pair[position] for pair in values), dtype=np.int64, count=len(values))
+                of = np.fromiter(
+                    (pair[position] for pair in values), dtype=np.int64, count=len(values)
+                )
             order = np.argsort(of, kind="stable")
             bounds = np.searchsorted(of[order], np.arange(count + 1))
             found = self._found[key] = [order[bounds[k] : bounds[k + 1]] for k in range(count)]
             self._keep.append(key_object)
         return found
-
-
-def _aggregated(row: Row) -> Row:
-    """Merge repeated columns (folded nodes share them) by summing their coefficients."""
-    columns, inverse = np.unique(row.columns, return_inverse=True)
-    values = np.zeros(len(columns))
-    np.add.at(values, inverse, row.values)
-    return Row(columns, values, row.lower, row.upper)
 
 
 def _same_placement_rows(
@@ -415,8 +270,16 @@ def _same_placement_rows(
     """Two placeholders of one tied parameter take the same placement."""
     rows = []
     for placements in space[first].output_placements():
-        first_cols = [c for c, s in zip(node_columns[first], space[first].strategies) if s.output == placements]
-        second_cols = [c for c, s in zip(node_columns[second], space[second].strategies) if s.output == placements]
+        first_cols = [
+            c
+            for c, s in zip(node_columns[first], space[first].strategies)
+            if s.output == placements
+        ]
+        second_cols = [
+            c
+            for c, s in zip(node_columns[second], space[second].strategies)
+            if s.output == placements
+        ]
         columns = np.array(first_cols + second_cols, dtype=np.int64)
         values = np.concatenate([np.ones(len(first_cols)), -np.ones(len(second_cols))])
         rows.append(Row(columns, values, 0.0, 0.0))
@@ -424,7 +287,7 @@ def _same_placement_rows(
 
 
 def _marginal_rows(
-    edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray], groups: "_Groups"
+    edge: EdgeCost, columns: np.ndarray, node_columns: dict[fx.Node, np.ndarray], groups: _Groups
 ) -> list[Row]:
     """sum of y over pairs with src a == sum of producer x with output a; same for dst.
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -20,9 +21,10 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from autoparallel import _torch_internals as internals
-from autoparallel.fx_args import tensor_input_nodes
 from autoparallel.strategies import view_rules
-from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
+from autoparallel.trace.fx_args import tensor_input_nodes
+from autoparallel.types.placements import OutputPlacements, Placements
+from autoparallel.types.strategies import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +63,11 @@ def dtensor_strategies(
     single_dim = internals.has_single_dim_strategy(op)
     if single_dim:
         candidates = {n: [_representative(n, mesh.ndim)] for n in tensor_input_nodes(node)}
-        expanded = None if _USE_DTENSOR_EXPANDER else _expand_single_dim(node, mesh, candidates, output_meta, num_inputs)
+        expanded = (
+            None
+            if _USE_DTENSOR_EXPANDER
+            else _expand_single_dim(node, mesh, candidates, output_meta, num_inputs)
+        )
         if expanded is not None:
             return [s for s in expanded if _only_sum_partials(s)]
         op_strategy = _call(strategy_fn, node, mesh, candidates)
@@ -77,7 +83,11 @@ _USE_DTENSOR_EXPANDER = False
 
 
 def _expand_single_dim(
-    node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list], output_meta: Any, num_inputs: int
+    node: fx.Node,
+    mesh: DeviceMesh,
+    candidates: dict[fx.Node, list],
+    output_meta: Any,
+    num_inputs: int,
 ) -> list[Strategy] | None:
     """DTensor's single-mesh-dim rules for ``node``, multiplied out over the mesh by us.
 
@@ -89,7 +99,9 @@ def _expand_single_dim(
         schema = _schema(node, mesh, candidates)
         found = internals.single_dim_rules(node.target, mesh, schema, output_meta)
     except Exception as error:  # anything unusual: let DTensor's own expander answer
-        logger.debug("single-dim rules of %s unavailable (%s): using DTensor's expander", node.target, error)
+        logger.debug(
+            "single-dim rules of %s unavailable (%s): using DTensor's expander", node.target, error
+        )
         return None
     if found is None or not found.rules:
         return None
@@ -113,7 +125,10 @@ def _expand_single_dim(
 
     strategies: list[Strategy] = []
     for combo in itertools.product(rules, repeat=mesh.ndim):
-        columns = [None if combo[0][pos] is None else tuple(rule[pos] for rule in combo) for pos in range(width)]
+        columns = [
+            None if combo[0][pos] is None else tuple(rule[pos] for rule in combo)
+            for pos in range(width)
+        ]
         if any(col is not None and _mixed_partials(col) for col in columns):
             continue
         inputs = [col for col in columns[num_outputs:] if col is not None]
@@ -168,7 +183,11 @@ def _schema(node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]) ->
         return internals.OpStrategy(specs)
 
     def wrap_lists(arg: Any) -> Any:
-        if isinstance(arg, (list, tuple)) and arg and all(isinstance(a, internals.OpStrategy) for a in arg):
+        if (
+            isinstance(arg, (list, tuple))
+            and arg
+            and all(isinstance(a, internals.OpStrategy) for a in arg)
+        ):
             return internals.TupleStrategy(list(arg))
         return arg
 
@@ -177,20 +196,28 @@ def _schema(node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]) ->
     return internals.OpSchema(op, args, kwargs, schema_info=internals.schema_info(op))
 
 
-def _call(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]) -> list:
+def _call(
+    strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]
+) -> list:
     """Run a DTensor strategy function with ``candidates[n]`` as the options of input ``n``."""
     op = node.target
     schema = _schema(node, mesh, candidates)
     try:
         op_strategy = strategy_fn(schema)
     except Exception as error:  # DTensor rejects some schemas it was never written for.
-        raise NoDTensorStrategy(f"DTensor's strategy for {op} failed: {type(error).__name__}: {error}") from error
+        raise NoDTensorStrategy(
+            f"DTensor's strategy for {op} failed: {type(error).__name__}: {error}"
+        ) from error
     if not isinstance(op_strategy, internals.OpStrategy):
-        raise NoDTensorStrategy(f"DTensor's strategy for {op} is a {type(op_strategy).__name__}, not an OpStrategy")
+        raise NoDTensorStrategy(
+            f"DTensor's strategy for {op} is a {type(op_strategy).__name__}, not an OpStrategy"
+        )
     return list(op_strategy.strategies)
 
 
-def _call_per_option(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, producer_options: dict) -> list:
+def _call_per_option(
+    strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, producer_options: dict
+) -> list:
     """Strategies for all producer options at once, or option by option if DTensor refuses.
 
     Strategy functions that follow their input (views, reductions) raise for a single input
@@ -199,7 +226,9 @@ def _call_per_option(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, producer
     """
     inputs = list(dict.fromkeys(tensor_input_nodes(node)))
     candidates = {n: producer_options[n] for n in inputs}
-    unpriced = None if _USE_DTENSOR_WHOLE_MESH else _without_pricing(strategy_fn, node, mesh, candidates)
+    unpriced = (
+        None if _USE_DTENSOR_WHOLE_MESH else _without_pricing(strategy_fn, node, mesh, candidates)
+    )
     if unpriced is not None:
         return unpriced
     try:
@@ -213,7 +242,9 @@ def _call_per_option(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, producer
         found: list = []
         for combo in itertools.product(*(candidates[n] for n in inputs)):
             try:
-                found.extend(_call(strategy_fn, node, mesh, {n: [p] for n, p in zip(inputs, combo)}))
+                found.extend(
+                    _call(strategy_fn, node, mesh, {n: [p] for n, p in zip(inputs, combo)})
+                )
             except NoDTensorStrategy:
                 continue
         if not found:
@@ -228,7 +259,9 @@ def _call_per_option(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, producer
 _USE_DTENSOR_WHOLE_MESH = False
 
 
-def _without_pricing(strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]) -> list | None:
+def _without_pricing(
+    strategy_fn: Any, node: fx.Node, mesh: DeviceMesh, candidates: dict[fx.Node, list]
+) -> list | None:
     """What :func:`_call_per_option` would return, without DTensor's pricing; None if unsure."""
     try:
         schema = _schema(node, mesh, candidates)
@@ -242,7 +275,6 @@ def _representative(node: fx.Node, mesh_ndim: int) -> tuple:
     value = node.meta.get("val")
     first = Shard(0) if isinstance(value, torch.Tensor) and value.ndim > 0 else Replicate()
     return (first,) + (Replicate(),) * (mesh_ndim - 1)
-
 
 
 def _placements_of(spec: Any) -> OutputPlacements | None:
@@ -260,7 +292,9 @@ def _convert(spec: Any, num_inputs: int) -> Strategy | None:
     else:
         inputs = tuple(_placements_of(s) for s in spec.input_specs)
     if len(inputs) != num_inputs:
-        logger.debug("dropping a strategy with %d input specs for %d tensor inputs", len(inputs), num_inputs)
+        logger.debug(
+            "dropping a strategy with %d input specs for %d tensor inputs", len(inputs), num_inputs
+        )
         return None
     return Strategy(output=output, inputs=inputs)
 

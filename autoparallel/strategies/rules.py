@@ -9,18 +9,42 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from autoparallel.sharding_constraint import sharding_constraint_op
-from autoparallel.strategies.types import OutputPlacements, Placements, Strategy
+from autoparallel.trace.sharding_constraint import sharding_constraint_op
+from autoparallel.types.placements import OutputPlacements, Placements
+from autoparallel.types.strategies import Strategy
 
 aten = torch.ops.aten
 
 SingleDimRule = list[Placement | None]
+RuleFunction = Callable[[fx.Node], "tuple[list[SingleDimRule], int] | None"]
+
+# op -> rule, filled by @rule_for where each rule is defined (as DTensor's
+# @register_op_strategy does), only while this module is imported; read-only afterwards.
+OWN_RULES: dict[object, RuleFunction] = {}
+
+
+def rule_for(*ops: object) -> Callable[[RuleFunction], RuleFunction]:
+    """Register the decorated rule for ``ops`` (ops this torch build lacks are passed as None
+    and skipped)."""
+
+    def register(rule: RuleFunction) -> RuleFunction:
+        for op in ops:
+            if op is not None:
+                OWN_RULES[op] = rule
+        return rule
+
+    return register
+
+
+def _aten_default(name: str) -> object | None:
+    packet = getattr(aten, name, None)
+    return packet.default if packet is not None else None
 
 
 def expand_single_dim_rules(
@@ -50,7 +74,9 @@ def all_shard_replicate(shape: Sequence[int], mesh_shape: Sequence[int]) -> list
     return result
 
 
-def evenly_divisible(placements: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+def evenly_divisible(
+    placements: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]
+) -> bool:
     """True if every sharded tensor dim divides evenly by the mesh dims sharding it.
 
     Uneven shards are valid DTensor, but the runtime keeps every rank's local shape equal,
@@ -80,6 +106,10 @@ def _attention_rules(num_outputs: int, num_inputs: int) -> list[SingleDimRule]:
     return [[Shard(0)] * (num_outputs + num_inputs), [Shard(1)] * (num_outputs + num_inputs)]
 
 
+@rule_for(
+    _aten_default("_scaled_dot_product_flash_attention_for_cpu"),
+    _aten_default("_scaled_dot_product_flash_attention_for_cpu_backward"),
+)
 def sdpa_cpu_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
     """Rules for the CPU flash-attention forward and backward, which DTensor lacks.
 
@@ -97,20 +127,12 @@ def sdpa_cpu_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
 # ---------------------------------------------------------------------------- identities
 
 
+@rule_for(sharding_constraint_op)
 def identity_rules(node: fx.Node) -> tuple[list[SingleDimRule], int]:
     """Output placement = input placement (``with_sharding_constraint``'s op): any layout
     change the constraint implies is priced on the input edge."""
     ndim = node.meta["val"].ndim
     return [[Shard(d), Shard(d)] for d in range(ndim)], 1
-
-
-OWN_RULES: dict[object, Callable[[fx.Node], tuple[list[SingleDimRule], int] | None]] = {
-    sharding_constraint_op: identity_rules,
-}
-for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"):
-    _packet = getattr(aten, _name, None)
-    if _packet is not None:
-        OWN_RULES[_packet.default] = sdpa_cpu_rules
 
 
 def is_getitem(node: fx.Node) -> bool:

@@ -23,11 +23,12 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate
 
-from autoparallel.fx_args import map_args, tensor_input_nodes
 from autoparallel.strategies import rules
 from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_strategies
-from autoparallel.strategies.types import NodeStrategies, OutputPlacements, Strategy, StrategySpace, is_multi
-from autoparallel.trace import JointGraph
+from autoparallel.trace.fx_args import map_args, tensor_input_nodes
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.placements import OutputPlacements, is_multi
+from autoparallel.types.strategies import NodeStrategies, Strategy, StrategySpace
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,9 @@ def build_strategy_space(joint: JointGraph, mesh: DeviceMesh) -> StrategySpace:
         space.nodes[node] = node_strategies
         shared = answers.get(("outputs", id(node_strategies.strategies)))
         if shared is None:  # computed once per distinct strategy list
-            shared = answers[("outputs", id(node_strategies.strategies))] = node_strategies.output_placements()
+            shared = answers[("outputs", id(node_strategies.strategies))] = (
+                node_strategies.output_placements()
+            )
         node_strategies._outputs = (node_strategies.strategies, shared)
         options[node] = shared  # one list object per distinct strategy list: a cheap cache key
     logger.debug("strategy space: %d nodes, %d strategies", len(space.nodes), space.num_strategies)
@@ -58,7 +61,6 @@ def _has_tensor_value(node: fx.Node) -> bool:
     if isinstance(value, torch.Tensor):
         return True
     return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
-
 
 
 def _strategies_for(
@@ -84,7 +86,9 @@ def _strategies_for(
         producer, index = node.args
         key = ("getitem", id(options[producer]), index)
         if key not in answers:
-            found = [Strategy(out[index], (out,)) for out in options[producer] if out[index] is not None]
+            found = [
+                Strategy(out[index], (out,)) for out in options[producer] if out[index] is not None
+            ]
             answers[key] = (found, "getitem")
         return NodeStrategies(node, [producer], answers[key][0], "getitem")
 
@@ -95,12 +99,18 @@ def _strategies_for(
     if key in answers:
         valid, source = answers[key]
         if source == "fallback":
-            _fallback(node, inputs, multi, mesh_shape, space, "same op and shapes as an earlier fallback")
+            _fallback(
+                node, inputs, multi, mesh_shape, space, "same op and shapes as an earlier fallback"
+            )
         return NodeStrategies(node, inputs, valid, source, multi)
     candidates, source = _candidates(node, mesh, mesh_shape, options, multi, len(inputs))
     valid = [s for s in dict.fromkeys(candidates) if _is_valid(s, node, inputs, mesh_shape)]
     if not valid:
-        reason = source if source.startswith("no ") else "every DTensor option shards a dimension unevenly"
+        reason = (
+            source
+            if source.startswith("no ")
+            else "every DTensor option shards a dimension unevenly"
+        )
         valid = [_fallback(node, inputs, multi, mesh_shape, space, reason)]
         source = "fallback"
     answers[key] = (valid, source)
@@ -120,11 +130,19 @@ def _question(node: fx.Node, options: dict[fx.Node, list[OutputPlacements]], ans
         if not isinstance(arg, fx.Node):
             return arg
         value = arg.meta.get("val")
-        meta = (tuple(value.shape), tuple(value.stride()), value.dtype) if isinstance(value, torch.Tensor) else None
+        meta = (
+            (tuple(value.shape), tuple(value.stride()), value.dtype)
+            if isinstance(value, torch.Tensor)
+            else None
+        )
         return ("node", meta, _canonical(options[arg], answers))
 
     out = node.meta["val"]
-    out_meta = (tuple(out.shape), tuple(out.stride()), out.dtype) if isinstance(out, torch.Tensor) else repr(out)
+    out_meta = (
+        (tuple(out.shape), tuple(out.stride()), out.dtype)
+        if isinstance(out, torch.Tensor)
+        else repr(out)
+    )
     try:
         return (node.target, repr(map_args(describe, (node.args, dict(node.kwargs)))), out_meta)
     except Exception:  # an argument without a stable repr: do not cache this node
@@ -155,14 +173,18 @@ def _candidates(
         found = own_rule(node)
         if found is not None:
             single_dim_rules, num_outputs = found
-            return rules.expand_single_dim_rules(single_dim_rules, num_outputs, multi, len(mesh_shape)), "rule"
+            return rules.expand_single_dim_rules(
+                single_dim_rules, num_outputs, multi, len(mesh_shape)
+            ), "rule"
     try:
         return dtensor_strategies(node, mesh, options), "dtensor"
     except NoDTensorStrategy as error:
         return [], f"no strategy: {error}"
 
 
-def _replicated(node: fx.Node, num_inputs: int, multi: bool, mesh_shape: tuple[int, ...]) -> Strategy:
+def _replicated(
+    node: fx.Node, num_inputs: int, multi: bool, mesh_shape: tuple[int, ...]
+) -> Strategy:
     replicate = tuple(Replicate() for _ in mesh_shape)
     if multi:
         output: OutputPlacements = tuple(
@@ -188,7 +210,9 @@ def _fallback(
         strategy.output,
         tuple(_replicated(inp, 0, is_multi_value(inp), mesh_shape).output for inp in inputs),
     )
-    logger.warning("no sharding strategy for %s (%s): it runs replicated (%s)", node.name, node.target, reason)
+    logger.warning(
+        "no sharding strategy for %s (%s): it runs replicated (%s)", node.name, node.target, reason
+    )
     space.fallbacks.append(f"{node.name}: {node.target}")
     return strategy
 
@@ -197,10 +221,14 @@ def is_multi_value(node: fx.Node) -> bool:
     return not isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def _is_valid(strategy: Strategy, node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ...]) -> bool:
+def _is_valid(
+    strategy: Strategy, node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ...]
+) -> bool:
     if not _placements_fit(strategy.output, node.meta["val"], mesh_shape):
         return False
-    return all(_placements_fit(p, inp.meta["val"], mesh_shape) for p, inp in zip(strategy.inputs, inputs))
+    return all(
+        _placements_fit(p, inp.meta["val"], mesh_shape) for p, inp in zip(strategy.inputs, inputs)
+    )
 
 
 def _placements_fit(placements: Any, value: Any, mesh_shape: tuple[int, ...]) -> bool:
@@ -212,4 +240,8 @@ def _placements_fit(placements: Any, value: Any, mesh_shape: tuple[int, ...]) ->
         return rules.evenly_divisible(placements, value.shape, mesh_shape)
     if not is_multi(placements) or len(placements) != len(value):
         return False
-    return all(_placements_fit(p, v, mesh_shape) for p, v in zip(placements, value) if isinstance(v, torch.Tensor))
+    return all(
+        _placements_fit(p, v, mesh_shape)
+        for p, v in zip(placements, value)
+        if isinstance(v, torch.Tensor)
+    )

@@ -28,7 +28,9 @@ from autoparallel import _torch_internals as internals
 logger = logging.getLogger(__name__)
 
 
-def strategies_without_pricing(strategy_fn: Any, schema: Any, max_option_retries: int) -> list | None:
+def strategies_without_pricing(
+    strategy_fn: Any, schema: Any, max_option_retries: int
+) -> list | None:
     """DTensor's OpSpecs of ``strategy_fn`` on ``schema`` (redistribute costs left None).
 
     ``schema`` is the OpSchema the adapter would pass DTensor (every producer option at once).
@@ -89,13 +91,22 @@ def _view_strategies(rule: internals.ViewRule, schema: Any, max_option_retries: 
     return found
 
 
-def _view_spec(source: Any, shape: tuple[int, ...], dim_map: Any, mesh: Any, strict_view: bool) -> Any:
+def _view_spec(
+    source: Any, shape: tuple[int, ...], dim_map: Any, mesh: Any, strict_view: bool
+) -> Any:
     """The OpSpec DTensor's view strategy builds for one input option ``source``."""
-    target, output = internals.propagate_view_sharding(source.placements, shape, dim_map, mesh.shape, strict_view)
-    input_spec = internals.DTensorSpec(
-        placements=target, mesh=mesh, tensor_meta=source.tensor_meta, use_strided_shard_as_shard_order=False
+    target, output = internals.propagate_view_sharding(
+        source.placements, shape, dim_map, mesh.shape, strict_view
     )
-    output_spec = internals.DTensorSpec(mesh=mesh, placements=output, use_strided_shard_as_shard_order=False)
+    input_spec = internals.DTensorSpec(
+        placements=target,
+        mesh=mesh,
+        tensor_meta=source.tensor_meta,
+        use_strided_shard_as_shard_order=False,
+    )
+    output_spec = internals.DTensorSpec(
+        mesh=mesh, placements=output, use_strided_shard_as_shard_order=False
+    )
     return internals.OpSpec(output_specs=output_spec, input_specs=(input_spec,))
 
 
@@ -116,7 +127,10 @@ def _option_by_option(strategy_fn: Any, schema: Any) -> list | None:
     found: list = []
     for option in input_strategy.strategies:
         single = internals.OpSchema(
-            schema.op, (internals.OpStrategy([option]), *rest), schema.kwargs_schema, schema_info=schema.schema_info
+            schema.op,
+            (internals.OpStrategy([option]), *rest),
+            schema.kwargs_schema,
+            schema_info=schema.schema_info,
         )
         answer = strategy_fn(single)
         if not isinstance(answer, internals.OpStrategy):
@@ -139,7 +153,8 @@ def _slice_backward_strategies(schema: Any) -> list | None:
     for option in input_strategy.strategies:
         spec = option.output_spec
         placements = tuple(
-            Replicate() if internals.is_shard_like(p) and p.dim == dim else p for p in spec.placements
+            Replicate() if internals.is_shard_like(p) and p.dim == dim else p
+            for p in spec.placements
         )
         found.append(internals.OpSpec(output_specs=internals.DTensorSpec(spec.mesh, placements)))
     return found
@@ -176,6 +191,12 @@ def _cat_strategies(schema: Any) -> list | None:
             if placements in seen:
                 continue
             seen.add(placements)
-            input_specs = tuple(internals.DTensorSpec(mesh, placements, tensor_meta=meta) for meta in metas)
-            found.append(internals.OpSpec(output_specs=internals.DTensorSpec(mesh, placements), input_specs=input_specs))
+            input_specs = tuple(
+                internals.DTensorSpec(mesh, placements, tensor_meta=meta) for meta in metas
+            )
+            found.append(
+                internals.OpSpec(
+                    output_specs=internals.DTensorSpec(mesh, placements), input_specs=input_specs
+                )
+            )
     return found

@@ -35,9 +35,19 @@ def add_commands(commands: Any) -> None:
         "--placement and --costs need the whole problem, which `plan --out` saves next to the JSON.",
     )
     explain.add_argument("plan", type=Path, help=what)
-    explain.add_argument("--placement", help="per node: the chosen placement vs this one, in seed notation, e.g. S(0)R")
-    explain.add_argument("--node", action="append", default=None, help="with --placement: only this node (repeatable)")
-    explain.add_argument("--costs", metavar="NODE", help="print the redistribution cost matrix of NODE's input --arg")
+    explain.add_argument(
+        "--placement",
+        help="per node: the chosen placement vs this one, in seed notation, e.g. S(0)R",
+    )
+    explain.add_argument(
+        "--node",
+        action="append",
+        default=None,
+        help="with --placement: only this node (repeatable)",
+    )
+    explain.add_argument(
+        "--costs", metavar="NODE", help="print the redistribution cost matrix of NODE's input --arg"
+    )
     explain.add_argument("--arg", type=int, default=None, help="input slot for --costs (default 0)")
     diff = commands.add_parser(
         "diff",
@@ -70,7 +80,7 @@ class _PlanFile:
         self._optimizer: Any = None
 
     def data(self) -> dict[str, Any]:
-        """The plan as its JSON dict (schema of ``report_data``)."""
+        """The plan as its JSON dict (schema of ``files/plan_json.py``)."""
         if self._data is None:
             self._data = self._problem_json() if self.is_problem else _read_json(self.path)
         return self._data
@@ -91,7 +101,7 @@ class _PlanFile:
         return optimizer.get_json()
 
     def _named_problem(self) -> Path:
-        from autoparallel.report.plan_json import problem_path
+        from autoparallel.files.plan_json import problem_path
 
         problem = problem_path(self.data(), self.path)
         again = f"plan again with `autoparallel plan ... --out {self.path}`, which saves the problem next to it"
@@ -101,7 +111,9 @@ class _PlanFile:
                 f"or by an older autoparallel); {again}"
             )
         if not problem.is_file():
-            raise SavedUsageError(f"{self.path} names its problem {problem}, which does not exist; {again}")
+            raise SavedUsageError(
+                f"{self.path} names its problem {problem}, which does not exist; {again}"
+            )
         return problem
 
 
@@ -114,7 +126,7 @@ def _is_saved_problem(path: Path) -> bool:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    from autoparallel.report.plan_json import PlanJsonError, read_plan_json
+    from autoparallel.files.plan_json import PlanJsonError, read_plan_json
 
     try:
         return read_plan_json(path)
@@ -123,8 +135,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _load_problem(path: Path) -> Any:
-    from autoparallel.persistence import PlacementFileError
-    from autoparallel.solver.optimizer import ShardingOptimizer
+    from autoparallel.files.placements import PlacementFileError
+    from autoparallel.optimizer import ShardingOptimizer
 
     try:
         return ShardingOptimizer.load(str(path))
@@ -136,13 +148,15 @@ def _solution(optimizer: Any, path: Path) -> Any:
     try:
         return optimizer.get_solution()
     except RuntimeError as error:
-        raise SavedUsageError(f"{path} holds a problem without a solution; solve and save it again") from error
+        raise SavedUsageError(
+            f"{path} holds a problem without a solution; solve and save it again"
+        ) from error
 
 
 def _check_same_plan(data: dict[str, Any], optimizer: Any, path: Path) -> None:
     """Refuse a problem file that no longer holds the JSON's plan (e.g. overwritten by a later
     ``plan --save`` to the same path): answers about it would be about another plan."""
-    from autoparallel.strategies.types import placement_str
+    from autoparallel.types.placements import placement_str
 
     plan = _solution(optimizer, path)
     saved = {name: placement_str(p) for name, p in plan.param_placements.items()}
@@ -183,15 +197,17 @@ def _explain(args: argparse.Namespace) -> int:
 def _placement_report(optimizer: Any, text: str, nodes: list[str] | None) -> str:
     """Per node: the chosen placement vs ``text`` (seed notation), as printed lines."""
     from autoparallel.explain import format_placement_explanations
-    from autoparallel.persistence import PlacementFileError, parse_placements
+    from autoparallel.types.placements import PlacementSyntaxError, parse_placements
 
     mesh_shape = optimizer.get_solution().mesh_shape
     try:
         target = parse_placements(text)
-    except PlacementFileError as error:
+    except PlacementSyntaxError as error:
         raise SavedUsageError(f"--placement: {error}") from error
     if len(target) != len(mesh_shape):
-        raise SavedUsageError(f"--placement {text} has {len(target)} entries for a {len(mesh_shape)}-D mesh")
+        raise SavedUsageError(
+            f"--placement {text} has {len(target)} entries for a {len(mesh_shape)}-D mesh"
+        )
     try:
         explanations = optimizer.explain_placement(target, nodes=nodes)
     except KeyError as error:

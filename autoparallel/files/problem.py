@@ -22,15 +22,20 @@ import torch
 import torch.fx as fx
 
 from autoparallel.cost.redistribution import PairPricer
-from autoparallel.cost.tables import CostTables, EdgeCost, EdgeRoutes
-from autoparallel.shapes import TensorInfo
-from autoparallel.persistence import PlacementFileError, parse_placements
-from autoparallel.solver.folding import Folding
-from autoparallel.solver.highs import Solution, SolverStats
-from autoparallel.solver.problem import Problem, Row, UserConstraint
-from autoparallel.strategies.types import NodeStrategies, Strategy, StrategySpace, is_multi, placement_str
-from autoparallel.topology import Hardware, Topology
-from autoparallel.trace import JointGraph
+from autoparallel.cost.topology import Hardware, Topology
+from autoparallel.files.placements import PlacementFileError
+from autoparallel.types.costs import CostTables, EdgeCost, EdgeRoutes
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.placements import (
+    PlacementSyntaxError,
+    is_multi,
+    parse_placements,
+    placement_str,
+)
+from autoparallel.types.plan import Solution, SolverStats
+from autoparallel.types.problem import Folding, Problem, Row, UserConstraint
+from autoparallel.types.strategies import NodeStrategies, Strategy, StrategySpace
+from autoparallel.types.tensors import TensorInfo
 
 FORMAT = "autoparallel-problem"
 VERSION = 1
@@ -40,11 +45,16 @@ VERSION = 1
 
 
 def save_problem(
-    problem: Problem, mesh_dim_names: tuple[str, ...] | None, path: str | Path, solution: Solution | None = None
+    problem: Problem,
+    mesh_dim_names: tuple[str, ...] | None,
+    path: str | Path,
+    solution: Solution | None = None,
 ) -> None:
     registry = _Registry()
     joint, space, tables = problem.joint, problem.space, problem.tables
-    nodes = [_node_record(node, ns, joint, tables, problem, registry) for node, ns in space.nodes.items()]
+    nodes = [
+        _node_record(node, ns, joint, tables, problem, registry) for node, ns in space.nodes.items()
+    ]
     edges = [
         _edge_record(edge, columns, problem.edge_encoding(index), registry)
         for index, (edge, columns) in enumerate(zip(tables.edges, problem.edge_columns))
@@ -64,9 +74,13 @@ def save_problem(
         "edges": edges,
         "roles": _roles(joint),
         "fallbacks": list(space.fallbacks),
-        "folding": {n.name: r.name for n, r in problem.folding.representative.items()} if problem.folding else None,
+        "folding": {n.name: r.name for n, r in problem.folding.representative.items()}
+        if problem.folding
+        else None,
         "user_constraints": [_constraint_record(c) for c in problem.user_constraints.values()],
-        "choice": {node.name: index for node, index in solution.choice.items()} if solution else None,
+        "choice": {node.name: index for node, index in solution.choice.items()}
+        if solution
+        else None,
         "solver": dataclasses.asdict(solution.stats) if solution else None,
     }
     rows = _pack_rows(problem.rows)
@@ -107,7 +121,10 @@ def _encode_placements(placements: Any) -> Any:
 
 
 def _encode_strategies(strategies: list[Strategy]) -> list:
-    return [[_encode_placements(s.output), [_encode_placements(p) for p in s.inputs]] for s in strategies]
+    return [
+        [_encode_placements(s.output), [_encode_placements(p) for p in s.inputs]]
+        for s in strategies
+    ]
 
 
 def _shape_record(value: Any) -> Any:
@@ -118,7 +135,14 @@ def _shape_record(value: Any) -> Any:
     return None
 
 
-def _node_record(node: fx.Node, ns: NodeStrategies, joint: JointGraph, tables: CostTables, problem: Problem, registry: _Registry) -> dict:
+def _node_record(
+    node: fx.Node,
+    ns: NodeStrategies,
+    joint: JointGraph,
+    tables: CostTables,
+    problem: Problem,
+    registry: _Registry,
+) -> dict:
     columns = problem.node_columns[node]
     return {
         "name": node.name,
@@ -171,7 +195,9 @@ def _constraint_record(constraint: UserConstraint) -> dict:
     return {
         "name": constraint.name,
         "description": constraint.description,
-        "rows": [[r.columns.tolist(), r.values.tolist(), r.lower, r.upper] for r in constraint.rows],
+        "rows": [
+            [r.columns.tolist(), r.values.tolist(), r.lower, r.upper] for r in constraint.rows
+        ],
     }
 
 
@@ -200,12 +226,16 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
     if meta.get("format") != FORMAT:
         raise PlacementFileError(f"{path} is not a saved autoparallel problem")
     if meta.get("version") != VERSION:
-        raise PlacementFileError(f"{path} has problem format version {meta.get('version')}; this autoparallel reads {VERSION}")
+        raise PlacementFileError(
+            f"{path} has problem format version {meta.get('version')}; this autoparallel reads {VERSION}"
+        )
 
     graph = fx.Graph()
     by_name: dict[str, fx.Node] = {}
     strategy_lists = [_decode_strategies(s) for s in meta["strategy_lists"]]
-    space = StrategySpace(nodes={}, mesh_shape=tuple(meta["mesh_shape"]), fallbacks=list(meta["fallbacks"]))
+    space = StrategySpace(
+        nodes={}, mesh_shape=tuple(meta["mesh_shape"]), fallbacks=list(meta["fallbacks"])
+    )
     compute: dict[fx.Node, list[float]] = {}
     node_columns: dict[fx.Node, np.ndarray] = {}
     forward: set[fx.Node] = set()
@@ -215,7 +245,13 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
         by_name[record["name"]] = node
         if record["forward"]:
             forward.add(node)
-        space.nodes[node] = NodeStrategies(node, inputs, strategy_lists[record["strategies"]], record["source"], is_multi_value(record))
+        space.nodes[node] = NodeStrategies(
+            node,
+            inputs,
+            strategy_lists[record["strategies"]],
+            record["source"],
+            is_multi_value(record),
+        )
         compute[node] = meta["compute_lists"][record["compute"]]
         start, count = record["columns"]
         node_columns[node] = np.arange(start, start + count, dtype=np.int64)
@@ -246,7 +282,11 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
         edge_encodings.append(record.get("encoding", "pairs"))
     tables = CostTables(compute_us=compute, edges=edges, topology=topology)
     joint = _joint(meta["roles"], by_name, graph, forward)
-    folding = Folding({by_name[n]: by_name[r] for n, r in meta["folding"].items()}) if meta["folding"] else None
+    folding = (
+        Folding({by_name[n]: by_name[r] for n, r in meta["folding"].items()})
+        if meta["folding"]
+        else None
+    )
     problem = Problem(
         joint=joint,
         space=space,
@@ -260,7 +300,10 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
         edge_encodings=edge_encodings,
     )
     for record in meta["user_constraints"]:
-        rows = [Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi) for c, v, lo, hi in record["rows"]]
+        rows = [
+            Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi)
+            for c, v, lo, hi in record["rows"]
+        ]
         problem.add_constraint(UserConstraint(record["name"], record["description"], rows))
     solution = None
     if meta["choice"]:
@@ -279,11 +322,17 @@ def _decode_placements(value: Any) -> Any:
         return None
     if isinstance(value, list):
         return tuple(_decode_placements(v) for v in value)
-    return parse_placements(value)
+    try:
+        return parse_placements(value)
+    except PlacementSyntaxError as error:
+        raise PlacementFileError(f"not a saved autoparallel problem: {error}") from error
 
 
 def _decode_strategies(encoded: list) -> list[Strategy]:
-    return [Strategy(_decode_placements(out), tuple(_decode_placements(p) for p in ins)) for out, ins in encoded]
+    return [
+        Strategy(_decode_placements(out), tuple(_decode_placements(p) for p in ins))
+        for out, ins in encoded
+    ]
 
 
 def _meta_value(record: Any) -> Any:
@@ -304,7 +353,9 @@ def _edge_routes(edge: EdgeCost, topology: Topology, pricers: dict) -> EdgeRoute
     src_states = [pricer.state_of(p) for p in edge.src_options]
     dst_states = [pricer.state_of(p) for p in edge.dst_options]
     if None in src_states or None in dst_states:
-        raise PlacementFileError(f"edge {edge.name} was priced on routes, but its placements are not route states")
+        raise PlacementFileError(
+            f"edge {edge.name} was priced on routes, but its placements are not route states"
+        )
     return EdgeRoutes(pricer, src_states, dst_states)  # type: ignore[arg-type]
 
 
@@ -314,7 +365,9 @@ def _stand_in_node(graph: fx.Graph, record: dict, inputs: list[fx.Node]) -> fx.N
     if record["op"] == "placeholder":
         node = graph.placeholder(record["name"])
     else:
-        node = graph.create_node("call_function", _target(record["target"]), tuple(inputs), name=record["name"])
+        node = graph.create_node(
+            "call_function", _target(record["target"]), tuple(inputs), name=record["name"]
+        )
     node.meta["val"] = _meta_value(record["value"])
     return node
 
@@ -348,7 +401,9 @@ class _NamedTarget:
     __repr__ = __str__
 
 
-def _joint(roles: dict, by_name: dict[str, fx.Node], graph: fx.Graph, forward: set[fx.Node]) -> JointGraph:
+def _joint(
+    roles: dict, by_name: dict[str, fx.Node], graph: fx.Graph, forward: set[fx.Node]
+) -> JointGraph:
     def node(name: str | None) -> fx.Node | None:
         return by_name.get(name) if name is not None else None
 
@@ -379,9 +434,18 @@ class _GraphHolder:
 
 
 def _unpack_rows(archive: Any) -> list[Row]:
-    starts, columns, values = archive["rows_starts"], archive["rows_columns"], archive["rows_values"]
+    starts, columns, values = (
+        archive["rows_starts"],
+        archive["rows_columns"],
+        archive["rows_values"],
+    )
     lower, upper = archive["rows_lower"], archive["rows_upper"]
     return [
-        Row(columns[starts[i] : starts[i + 1]].astype(np.int64), values[starts[i] : starts[i + 1]].astype(np.float64), float(lower[i]), float(upper[i]))
+        Row(
+            columns[starts[i] : starts[i + 1]].astype(np.int64),
+            values[starts[i] : starts[i + 1]].astype(np.float64),
+            float(lower[i]),
+            float(upper[i]),
+        )
         for i in range(len(lower))
     ]

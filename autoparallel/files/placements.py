@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from autoparallel.solver.plan import Plan
-from autoparallel.strategies.types import Placements, placement_str
-from autoparallel.trace import JointGraph
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.placements import (
+    Placements,
+    PlacementSyntaxError,
+    parse_placements,
+    placement_str,
+)
+from autoparallel.types.plan import Plan
 
 FORMAT_VERSION = 1
-_TOKEN = re.compile(r"S\((-?\d+)\)|R|P\((\w+)\)")
 
 
 class PlacementFileError(ValueError):
@@ -51,27 +54,6 @@ def graph_fingerprint(joint: JointGraph) -> str:
     return digest.hexdigest()[:16]
 
 
-def parse_placements(text: str) -> Placements:
-    """``"S(0)R"`` -> ``(Shard(0), Replicate())``; inverse of placement_str."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    placements = []
-    position = 0
-    for match in _TOKEN.finditer(text):
-        if match.start() != position:
-            break
-        position = match.end()
-        if match.group(1) is not None:
-            placements.append(Shard(int(match.group(1))))
-        elif match.group(2) is not None:
-            placements.append(Partial(match.group(2)))
-        else:
-            placements.append(Replicate())
-    if position != len(text) or not placements:
-        raise PlacementFileError(f"cannot read placements {text!r}: expected e.g. 'S(0)R' or 'RS(1)'")
-    return tuple(placements)
-
-
 def save_placements(plan: Plan, joint: JointGraph, path: str | Path) -> None:
     data = {
         "format": "autoparallel-placements",
@@ -89,7 +71,9 @@ def load_placements(path: str | Path) -> SavedPlacements:
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as error:
-        raise PlacementFileError(f"{path} is not a placements file (invalid JSON: {error})") from error
+        raise PlacementFileError(
+            f"{path} is not a placements file (invalid JSON: {error})"
+        ) from error
     if data.get("format") != "autoparallel-placements":
         raise PlacementFileError(f"{path} is not an autoparallel placements file")
     if data.get("version") != FORMAT_VERSION:
@@ -97,21 +81,33 @@ def load_placements(path: str | Path) -> SavedPlacements:
             f"{path} has format version {data.get('version')}; this autoparallel reads version {FORMAT_VERSION}"
         )
 
-    def optional(text: str | None) -> Placements | None:
-        return None if text is None else parse_placements(text)
+    def read(text: str | None) -> Placements | None:
+        return None if text is None else read_placements(text, path)
 
     return SavedPlacements(
         mesh_shape=tuple(data["mesh_shape"]),
         graph_fingerprint=data["graph_fingerprint"],
-        params={name: parse_placements(text) for name, text in data["params"].items()},
-        inputs=[optional(t) for t in data["inputs"]],
-        outputs=[optional(t) for t in data["outputs"]],
+        params={name: read(text) for name, text in data["params"].items()},
+        inputs=[read(t) for t in data["inputs"]],
+        outputs=[read(t) for t in data["outputs"]],
     )
 
 
-def check_compatible(saved: SavedPlacements, mesh_shape: tuple[int, ...], joint: JointGraph, path: str | Path) -> None:
+def read_placements(text: str, path: str | Path) -> Placements:
+    """Placements written in a file, or :class:`PlacementFileError` naming the file."""
+    try:
+        return parse_placements(text)
+    except PlacementSyntaxError as error:
+        raise PlacementFileError(f"{path}: {error}") from error
+
+
+def check_compatible(
+    saved: SavedPlacements, mesh_shape: tuple[int, ...], joint: JointGraph, path: str | Path
+) -> None:
     if tuple(mesh_shape) != saved.mesh_shape:
-        raise PlacementFileError(f"{path} was planned for mesh {saved.mesh_shape}, this mesh is {tuple(mesh_shape)}")
+        raise PlacementFileError(
+            f"{path} was planned for mesh {saved.mesh_shape}, this mesh is {tuple(mesh_shape)}"
+        )
     fingerprint = graph_fingerprint(joint)
     if fingerprint != saved.graph_fingerprint:
         raise PlacementFileError(

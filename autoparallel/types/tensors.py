@@ -7,8 +7,8 @@ place means the cost model, the runtime checks and the error messages can never 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch.distributed.tensor.placement_types import Placement, Shard
@@ -33,7 +33,7 @@ class TensorInfo:
         return self.numel * _itemsize(self.dtype)
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorInfo":
+    def of(cls, tensor: torch.Tensor) -> TensorInfo:
         return cls(tuple(int(s) for s in tensor.shape), tensor.dtype)
 
 
@@ -64,5 +64,7 @@ def local_shape(
     return tuple(shape)
 
 
-def local_info(info: TensorInfo, placements: Sequence[Placement], mesh_shape: Sequence[int]) -> TensorInfo:
+def local_info(
+    info: TensorInfo, placements: Sequence[Placement], mesh_shape: Sequence[int]
+) -> TensorInfo:
     return TensorInfo(local_shape(info.shape, placements, mesh_shape), info.dtype)

@@ -25,8 +25,9 @@ import queue as queue_module
 import socket
 import time
 import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -159,7 +160,9 @@ def run_distributed(
     try:
         # Children inherit the environment at start: OMP_NUM_THREADS must be set before
         # they import torch, which happens while unpickling the target.
-        with _environ({"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}):
+        with _environ(
+            {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        ):
             for rank in range(world_size):
                 proc = context.Process(
                     target=_worker,
@@ -238,7 +241,10 @@ def _note_silent_deaths(
             continue
         first_seen = dead_since.setdefault(rank, now)
         if now - first_seen >= 1.0:
-            reports[rank] = ("error", f"process exited with code {proc.exitcode} without reporting a result\n")
+            reports[rank] = (
+                "error",
+                f"process exited with code {proc.exitcode} without reporting a result\n",
+            )
 
 
 # ---------------------------------------------------------------------------------- reference
@@ -319,7 +325,9 @@ def gather_full(tensor: Any) -> Any:
 def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
     """``{name: full detached CPU value}`` of every parameter (collective for DTensors)."""
     with torch.no_grad():
-        return {name: gather_full(p.detach()).cpu().clone() for name, p in module.named_parameters()}
+        return {
+            name: gather_full(p.detach()).cpu().clone() for name, p in module.named_parameters()
+        }
 
 
 def full_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:

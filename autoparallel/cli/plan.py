@@ -22,14 +22,15 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, NoReturn
 
-from autoparallel import cli_saved
-from autoparallel.report.text import collapse_layers, summary_lines
+from autoparallel.cli import saved
+from autoparallel.report.text import summary_lines
 
-__all__ = ["build_parser", "collapse_layers", "main", "summary_lines"]
+__all__ = ["build_parser", "main"]
 
 LLAMA_PRESETS = ("llama3-8b", "llama3-70b", "tiny")
 BUILTIN_MODELS = LLAMA_PRESETS + ("gpt2",)
@@ -38,8 +39,18 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_MESH_NAMES = ("dp", "tp", "cp", "ep")
 
 _MESH_RE = re.compile(r"^\d+(x\d+)*$")
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 _PLAN_EPILOG = """\
@@ -77,7 +88,9 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="autoparallel", description="Automatic parallelization of PyTorch models.")
+    parser = _OneLineParser(
+        prog="autoparallel", description="Automatic parallelization of PyTorch models."
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     plan = commands.add_parser(
         "plan",
@@ -86,35 +99,81 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("--model", required=True, help="llama3-8b | llama3-70b | tiny | gpt2 | package.module:factory")
-    plan.add_argument("--mesh", required=True, help="mesh shape, e.g. 8x8 (row-major; the last dim is innermost)")
-    plan.add_argument("--mesh-names", default=None,
-                      help="comma-separated mesh dim names, one per dim (default: dp,tp,cp,ep truncated)")
-    plan.add_argument("--batch", type=int, required=True, help="global batch size (divisible by the first mesh dim)")
+    plan.add_argument(
+        "--model",
+        required=True,
+        help="llama3-8b | llama3-70b | tiny | gpt2 | package.module:factory",
+    )
+    plan.add_argument(
+        "--mesh", required=True, help="mesh shape, e.g. 8x8 (row-major; the last dim is innermost)"
+    )
+    plan.add_argument(
+        "--mesh-names",
+        default=None,
+        help="comma-separated mesh dim names, one per dim (default: dp,tp,cp,ep truncated)",
+    )
+    plan.add_argument(
+        "--batch",
+        type=int,
+        required=True,
+        help="global batch size (divisible by the first mesh dim)",
+    )
     plan.add_argument("--seq", type=int, required=True, help="sequence length")
     plan.add_argument("--hardware", default="h100", help="hardware preset (default h100)")
-    plan.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, decides inter-node dims (default 8)")
-    plan.add_argument("--layers", type=int, default=None,
-                      help="transformer blocks to plan (default: the model's own depth; 2 for gpt2)")
-    plan.add_argument("--memory-budget", default="default",
-                      help="parameter memory per device: none, default (as sharded as possible) or bytes "
-                      "(e.g. 2e9, 16GiB)")
-    plan.add_argument("--param-dtype", choices=sorted(DTYPES), default=None,
-                      help="mixed precision: compute in this dtype (parameters stay in their own)")
-    plan.add_argument("--reduce-dtype", choices=sorted(DTYPES), default=None,
-                      help="mixed precision: reduce gradients in this dtype (default: the compute dtype)")
+    plan.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="ranks per node, decides inter-node dims (default 8)",
+    )
+    plan.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="transformer blocks to plan (default: the model's own depth; 2 for gpt2)",
+    )
+    plan.add_argument(
+        "--memory-budget",
+        default="default",
+        help="parameter memory per device: none, default (as sharded as possible) or bytes "
+        "(e.g. 2e9, 16GiB)",
+    )
+    plan.add_argument(
+        "--param-dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="mixed precision: compute in this dtype (parameters stay in their own)",
+    )
+    plan.add_argument(
+        "--reduce-dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="mixed precision: reduce gradients in this dtype (default: the compute dtype)",
+    )
     plan.add_argument("--out", type=Path, default=None, help="write the plan as JSON here")
-    plan.add_argument("--html", type=Path, default=None, help="write a self-contained HTML report here")
+    plan.add_argument(
+        "--html", type=Path, default=None, help="write a self-contained HTML report here"
+    )
     saving = plan.add_mutually_exclusive_group()
-    saving.add_argument("--save", type=Path, default=None,
-                        help="save the whole problem and its solution (.npz) here for `autoparallel explain/diff` "
-                        "(default with --out: next to the JSON, e.g. plan.json -> plan.npz)")
-    saving.add_argument("--no-save", action="store_true",
-                        help="with --out, do not save the problem (explain --placement/--costs then cannot run)")
-    plan.add_argument("--trace-all-layers", action="store_true",
-                      help="trace every layer instead of building identical layers' graph from 3 and 4 traced ones")
+    saving.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="save the whole problem and its solution (.npz) here for `autoparallel explain/diff` "
+        "(default with --out: next to the JSON, e.g. plan.json -> plan.npz)",
+    )
+    saving.add_argument(
+        "--no-save",
+        action="store_true",
+        help="with --out, do not save the problem (explain --placement/--costs then cannot run)",
+    )
+    plan.add_argument(
+        "--trace-all-layers",
+        action="store_true",
+        help="trace every layer instead of building identical layers' graph from 3 and 4 traced ones",
+    )
     plan.add_argument("--verbose", action="store_true", help="log every node's decision")
-    cli_saved.add_commands(commands)
+    saved.add_commands(commands)
     return parser
 
 
@@ -149,13 +208,17 @@ class PlanRequest:
         def dtype(name: str | None) -> Any:
             return getattr(torch, DTYPES[name]) if name else None
 
-        return MixedPrecisionPolicy(param_dtype=dtype(self.param_dtype), reduce_dtype=dtype(self.reduce_dtype))
+        return MixedPrecisionPolicy(
+            param_dtype=dtype(self.param_dtype), reduce_dtype=dtype(self.reduce_dtype)
+        )
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
     shape_text = text.strip().lower()
     if not _MESH_RE.match(shape_text):
-        raise UsageError(f"--mesh {text!r} is not a shape like 8 or 8x8 (positive integers joined by 'x')")
+        raise UsageError(
+            f"--mesh {text!r} is not a shape like 8 or 8x8 (positive integers joined by 'x')"
+        )
     shape = tuple(int(s) for s in shape_text.split("x"))
     if any(s < 1 for s in shape):
         raise UsageError(f"--mesh {text!r}: every mesh dimension must be at least 1")
@@ -167,7 +230,9 @@ def parse_mesh_names(text: str | None, ndim: int) -> tuple[str, ...] | None:
         return DEFAULT_MESH_NAMES[:ndim] if ndim <= len(DEFAULT_MESH_NAMES) else None
     names = tuple(n.strip() for n in text.split(","))
     if len(names) != ndim:
-        raise UsageError(f"--mesh-names gives {len(names)} name(s) ({text}) for a {ndim}-D mesh; give one per dim")
+        raise UsageError(
+            f"--mesh-names gives {len(names)} name(s) ({text}) for a {ndim}-D mesh; give one per dim"
+        )
     if any(not n.isidentifier() for n in names) or len(set(names)) != len(names):
         raise UsageError(f"--mesh-names {text!r}: names must be distinct identifiers, e.g. dp,tp")
     return names
@@ -181,7 +246,9 @@ def parse_memory_budget(text: str) -> str | float | None:
         return "default"
     match = _BUDGET_RE.match(key)
     if not match or match.group(2) not in _BYTE_UNITS:
-        raise UsageError(f"--memory-budget {text!r} is not none, default or a byte count such as 2e9 or 16GiB")
+        raise UsageError(
+            f"--memory-budget {text!r} is not none, default or a byte count such as 2e9 or 16GiB"
+        )
     value = float(match.group(1)) * _BYTE_UNITS[match.group(2)]
     if value <= 0:
         raise UsageError(f"--memory-budget must be positive, got {text!r}")
@@ -190,36 +257,65 @@ def parse_memory_budget(text: str) -> str | float | None:
 
 def validate(args: argparse.Namespace) -> PlanRequest:
     """Check everything that can be checked before building the model; UsageError if wrong."""
-    from autoparallel.topology import HARDWARE_PRESETS
+    from autoparallel.cost.topology import HARDWARE_PRESETS
 
     shape = parse_mesh(args.mesh)
     names = parse_mesh_names(args.mesh_names, len(shape))
-    for flag, value in (("--batch", args.batch), ("--seq", args.seq), ("--gpus-per-node", args.gpus_per_node)):
+    for flag, value in (
+        ("--batch", args.batch),
+        ("--seq", args.seq),
+        ("--gpus-per-node", args.gpus_per_node),
+    ):
         if value < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
     if args.layers is not None and args.layers < 1:
         raise UsageError(f"--layers must be a positive integer, got {args.layers}")
     hardware = args.hardware.strip().lower()
     if hardware not in HARDWARE_PRESETS:
-        raise UsageError(f"--hardware {args.hardware!r} is not a known preset; choose one of {', '.join(sorted(HARDWARE_PRESETS))}")
+        raise UsageError(
+            f"--hardware {args.hardware!r} is not a known preset; choose one of {', '.join(sorted(HARDWARE_PRESETS))}"
+        )
     if args.batch % shape[0]:
-        raise UsageError(f"--batch {args.batch} is not divisible by the first mesh dim ({shape[0]}), which shards the batch")
+        raise UsageError(
+            f"--batch {args.batch} is not divisible by the first mesh dim ({shape[0]}), which shards the batch"
+        )
     model = args.model.strip()
     if model.lower() in BUILTIN_MODELS:
         model = model.lower()
     elif ":" not in model:
-        raise UsageError(f"--model {args.model!r} is not one of {', '.join(BUILTIN_MODELS)} or package.module:factory")
+        raise UsageError(
+            f"--model {args.model!r} is not one of {', '.join(BUILTIN_MODELS)} or package.module:factory"
+        )
     elif args.layers is not None:
-        raise UsageError("--layers applies to the built-in models only; a factory decides its own depth")
+        raise UsageError(
+            "--layers applies to the built-in models only; a factory decides its own depth"
+        )
     layers = args.layers
     save = None if args.no_save else args.save or default_problem_path(args.out)
     if save is not None and args.out is not None and save.resolve() == args.out.resolve():
-        raise UsageError(f"--save {save} and --out {args.out} name the same file; the problem needs a file of its own")
+        raise UsageError(
+            f"--save {save} and --out {args.out} name the same file; the problem needs a file of its own"
+        )
     if args.reduce_dtype is not None and args.param_dtype is None:
         raise UsageError("--reduce-dtype needs --param-dtype (the dtype the model computes in)")
-    return PlanRequest(model, shape, names, args.batch, args.seq, hardware, args.gpus_per_node, layers,
-                       parse_memory_budget(args.memory_budget), args.out, args.html, args.verbose, save,
-                       args.param_dtype, args.reduce_dtype, args.trace_all_layers)
+    return PlanRequest(
+        model,
+        shape,
+        names,
+        args.batch,
+        args.seq,
+        hardware,
+        args.gpus_per_node,
+        layers,
+        parse_memory_budget(args.memory_budget),
+        args.out,
+        args.html,
+        args.verbose,
+        save,
+        args.param_dtype,
+        args.reduce_dtype,
+        args.trace_all_layers,
+    )
 
 
 def default_problem_path(out: Path | None) -> Path | None:
@@ -255,9 +351,13 @@ def _llama(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
 
     from autoparallel.models import Llama, llama_config
 
-    config = llama_config(request.model, **({} if request.layers is None else {"n_layers": request.layers}))
+    config = llama_config(
+        request.model, **({} if request.layers is None else {"n_layers": request.layers})
+    )
     if request.seq > config.max_seq_len:
-        raise UsageError(f"--seq {request.seq} exceeds {request.model}'s max_seq_len {config.max_seq_len}")
+        raise UsageError(
+            f"--seq {request.seq} exceeds {request.model}'s max_seq_len {config.max_seq_len}"
+        )
     with torch.device("meta"):
         model = Llama(config)
     return model, _token_input(request, config.vocab_size)
@@ -289,12 +389,21 @@ def _factory_model(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
     with torch.device("meta"):
         built = factory()
     if isinstance(built, nn.Module):
-        vocab = getattr(getattr(built, "config", None), "vocab_size", None) or getattr(built, "vocab_size", 2)
+        vocab = getattr(getattr(built, "config", None), "vocab_size", None) or getattr(
+            built, "vocab_size", 2
+        )
         return built, _token_input(request, int(vocab))
-    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1]):
+    if (
+        isinstance(built, tuple)
+        and len(built) == 2
+        and isinstance(built[0], nn.Module)
+        and callable(built[1])
+    ):
         model, make_inputs = built
         return model, lambda: make_inputs(request.batch, request.seq)
-    raise UsageError(f"--model {request.model!r}: the factory must return an nn.Module or (module, input_fn)")
+    raise UsageError(
+        f"--model {request.model!r}: the factory must return an nn.Module or (module, input_fn)"
+    )
 
 
 # ---------------------------------------------------------------------------- planning
@@ -309,7 +418,9 @@ def _batch_constraints(nodes: Sequence[Any], batch: int, ndim: int) -> list[Any]
     for node in nodes:
         value = node.meta.get("val") if node is not None else None
         shape = getattr(value, "shape", None)
-        out.append(sharded if shape is not None and len(shape) >= 1 and int(shape[0]) == batch else None)
+        out.append(
+            sharded if shape is not None and len(shape) >= 1 and int(shape[0]) == batch else None
+        )
     return out
 
 
@@ -322,7 +433,9 @@ def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
     from autoparallel import AutoParallel
 
     model, input_fn = build_model(request)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(request.mesh_shape))
+    dist.init_process_group(
+        "fake", store=FakeStore(), rank=0, world_size=math.prod(request.mesh_shape)
+    )
     try:
         mesh = init_device_mesh("cpu", request.mesh_shape, mesh_dim_names=request.mesh_names)
         start = time.perf_counter()
@@ -348,7 +461,7 @@ def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
             elapsed = time.perf_counter() - start
             if request.save is not None:
                 autop.sharding_optimizer.save(str(request.save))
-            data = plan_data(autop, plan)
+            data = plan_data(autop)
         data["run"] = _run_info(request, _depth(request, model), autop.stage_times_s, elapsed)
         traced_once = autop.joint.layers_traced_once if autop.joint is not None else None
         data["run"]["layers_traced_once"] = traced_once.path if traced_once is not None else None
@@ -375,7 +488,9 @@ def _run_info(
         "layers": layers,
         "batch": request.batch,
         "seq": request.seq,
-        "memory_budget": "none" if budget is None else (budget if isinstance(budget, str) else f"{budget:.0f} bytes"),
+        "memory_budget": "none"
+        if budget is None
+        else (budget if isinstance(budget, str) else f"{budget:.0f} bytes"),
         "param_dtype": request.param_dtype,
         "reduce_dtype": request.reduce_dtype,
         "stage_times_s": {k: round(float(v), 3) for k, v in stage_times_s.items()},
@@ -383,66 +498,22 @@ def _run_info(
     }
 
 
-def plan_data(autop: Any, plan: Any) -> dict[str, Any]:
-    """The optimizer's full JSON (``get_json``), or the subset a Plan alone gives."""
-    get_json = getattr(autop.sharding_optimizer, "get_json", None)
-    if get_json is None:
-        return fallback_json(autop, plan)
-    return dict(get_json())
-
-
-def fallback_json(autop: Any, plan: Any) -> dict[str, Any]:
-    """Schema-1 subset from the Plan: mesh, hardware, totals, solver, parameters, I/O, constraints."""
-    from autoparallel.shapes import TensorInfo, local_info
-    from autoparallel.strategies.types import placement_str
-
-    optimizer = autop.sharding_optimizer
-    joint = optimizer.problem.joint
-    topology = autop.topology
-
-    def parameter(name: str) -> dict[str, Any]:
-        value = joint.params[name].meta["val"]
-        placements = plan.param_placements[name]
-        info = TensorInfo.of(value)
-        return {
-            "name": name,
-            "shape": list(info.shape),
-            "dtype": str(info.dtype).removeprefix("torch."),
-            "placements": placement_str(placements),
-            "bytes_per_device": local_info(info, placements, plan.mesh_shape).nbytes,
-            "module": name.rpartition(".")[0],
-        }
-
-    def tensor(index: int, node: Any, placements: Any) -> dict[str, Any]:
-        value = node.meta.get("val") if node is not None else None
-        shape = list(value.shape) if hasattr(value, "shape") else None
-        return {"index": index, "shape": shape, "placements": placement_str(placements)}
-
-    t, s = plan.totals, plan.solver
-    return {
-        "version": 1,
-        "mesh": {"shape": list(plan.mesh_shape), "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names else None},
-        "hardware": {"name": topology.hardware.name, "gpus_per_node": topology.gpus_per_node},
-        "totals": {"total_us": t.total_us, "comm_us": t.comm_us, "compute_us": t.compute_us, "transition_us": t.transition_us},
-        "solver": {"status": s.status, "objective_us": s.objective, "bound_us": s.bound, "gap": s.gap,
-                   "time_s": s.time_s, "num_variables": s.num_variables, "num_constraints": s.num_constraints},
-        "parameters": [parameter(name) for name in plan.param_placements],
-        "inputs": [tensor(i, n, p) for i, (n, p) in enumerate(zip(joint.user_inputs, plan.input_placements))],
-        "outputs": [tensor(i, n, p) for i, (n, p) in enumerate(zip(joint.user_outputs, plan.output_placements))],
-        "fallbacks": list(plan.fallbacks),
-        "constraints": optimizer.constraints(),
-    }
+def plan_data(autop: Any) -> dict[str, Any]:
+    """The optimizer's full plan JSON (``get_json``)."""
+    return dict(autop.sharding_optimizer.get_json())
 
 
 # ---------------------------------------------------------------------------- entry point
 
 
 def _plan_command(request: PlanRequest) -> int:
-    logging.basicConfig(level=logging.INFO if request.verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(
+        level=logging.INFO if request.verbose else logging.WARNING, format="%(message)s"
+    )
     data, _ = run_plan(request)
     print("\n".join(summary_lines(data)))
     if request.out is not None:
-        from autoparallel.report.plan_json import problem_reference
+        from autoparallel.files.plan_json import problem_reference
         from autoparallel.report.template import json_safe
 
         if request.save is not None:
@@ -474,13 +545,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         if args.command != "plan":
-            return cli_saved.run(args)
+            return saved.run(args)
         request = validate(args)
         _check_writable(request.out, "--out")
         _check_writable(request.html, "--html")
         _check_writable(request.save, "--save")
         return _plan_command(request)
-    except (UsageError, cli_saved.SavedUsageError) as exc:
+    except (UsageError, saved.SavedUsageError) as exc:
         message = " ".join(str(exc).split())  # one line, whatever a wrapped error said
         print(f"autoparallel {args.command}: error: {message}", file=sys.stderr)
         return 2

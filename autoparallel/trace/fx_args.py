@@ -10,7 +10,8 @@ subclasses of list and dict) and visit leaves in pytree's order.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.fx as fx
 

@@ -8,15 +8,10 @@ DTensor placements in mesh-dimension order, e.g. ``(Shard(0), Replicate())``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-Placements = tuple[Placement, ...]
-# A node with several tensor outputs (e.g. attention returning (out, logsumexp)) has one
-# Placements per output; None where that output is not a tensor.
-OutputPlacements = Union[Placements, tuple[Union[Placements, None], ...]]
+from autoparallel.types.placements import OutputPlacements
 
 
 @dataclass(frozen=True)
@@ -47,7 +42,10 @@ class NodeStrategies:
         """Distinct output placements over all strategies, in first-seen order (memoized:
         nodes with equal strategies share one list object, see build_strategy_space)."""
         if self._outputs is None or self._outputs[0] is not self.strategies:
-            self._outputs = (self.strategies, list(dict.fromkeys(s.output for s in self.strategies)))
+            self._outputs = (
+                self.strategies,
+                list(dict.fromkeys(s.output for s in self.strategies)),
+            )
         return self._outputs[1]
 
     def input_placements(self, slot: int) -> list[OutputPlacements]:
@@ -72,26 +70,3 @@ class StrategySpace:
     @property
     def num_strategies(self) -> int:
         return sum(len(n.strategies) for n in self.nodes.values())
-
-
-def placement_str(placements: OutputPlacements | None) -> str:
-    """The seed's compact notation: ``S(0)R``, ``P(sum)``, tuples joined by ', '."""
-    if placements is None:
-        return "-"
-    if placements and isinstance(placements[0], tuple) or (placements and placements[0] is None):
-        return "(" + ", ".join(placement_str(p) for p in placements) + ")"
-    return "".join(_one(p) for p in placements)
-
-
-def _one(placement: Placement) -> str:
-    if isinstance(placement, Shard):
-        return f"S({placement.dim})"
-    if isinstance(placement, Replicate):
-        return "R"
-    if isinstance(placement, Partial):
-        return f"P({placement.reduce_op})"
-    return str(placement)
-
-
-def is_multi(placements: OutputPlacements | None) -> bool:
-    return bool(placements) and (isinstance(placements[0], tuple) or placements[0] is None)

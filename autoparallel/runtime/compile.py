@@ -13,7 +13,8 @@ collectives stay calls into the process group (gloo or nccl).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.fx as fx
 
@@ -24,7 +25,9 @@ logger = logging.getLogger(__name__)
 COMPILERS = ("inductor", "aot_eager")
 
 
-def autoparallel_backend(compiler: str = "inductor") -> Callable[[fx.GraphModule, list[Any]], Callable]:
+def autoparallel_backend(
+    compiler: str = "inductor",
+) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     """A torch.compile backend for modules returned by ``apply_placement``/``auto_parallel``.
 
     Args:
@@ -32,12 +35,16 @@ def autoparallel_backend(compiler: str = "inductor") -> Callable[[fx.GraphModule
             ATen graphs run op by op: for debugging a numerical difference against eager).
     """
     if compiler not in COMPILERS:
-        raise ValueError(f"autoparallel_backend: compiler must be one of {COMPILERS}, got {compiler!r}")
+        raise ValueError(
+            f"autoparallel_backend: compiler must be one of {COMPILERS}, got {compiler!r}"
+        )
     backend = internals.lookup_compile_backend(compiler)
 
     def compile_graph(graph_module: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         calls = sum(1 for node in graph_module.graph.nodes if node.op == "call_function")
-        logger.info("autoparallel_backend: compiling a captured graph of %d calls with %s", calls, compiler)
+        logger.info(
+            "autoparallel_backend: compiling a captured graph of %d calls with %s", calls, compiler
+        )
         return backend(graph_module, example_inputs)
 
     return compile_graph

@@ -1,4 +1,4 @@
-"""Tracing repeated layers once, part 2: the N-layer graph built from 3- and 4-layer traces.
+"""The N-layer joint graph built from 3- and 4-layer traces, checked node for node.
 
 Given traces of the model with its first 3 and first 4 layers (``repeated_layers.py``):
 
@@ -23,15 +23,16 @@ import difflib
 import itertools
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from autoparallel import _torch_internals as internals
-from autoparallel.repeated_layers import RepeatedLayers
+from autoparallel.types.graph import RepeatedLayers
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ def stamp_verified(
         if difference is None:
             logger.debug("layer cut %s reproduces the %d-layer trace", cut, CHECK_LAYERS)
             return stamp_layers(template, cut, prefixes, layers.count)
-        last_reason = f"repeating a layer does not reproduce the {CHECK_LAYERS}-layer trace: {difference}"
+        last_reason = (
+            f"repeating a layer does not reproduce the {CHECK_LAYERS}-layer trace: {difference}"
+        )
     raise CannotRepeatLayers(last_reason)
 
 
@@ -126,7 +129,9 @@ def _candidate_cuts(
     placeholder_layer4 = _placeholder_layers(graph4, prefixes[:CHECK_LAYERS])
     signatures4 = [_signature(n, placeholder_layer4) for n in _call_nodes(graph4)]
     insertions = []
-    for tag, i1, _, j1, j2 in difflib.SequenceMatcher(None, signatures3, signatures4, autojunk=False).get_opcodes():
+    for tag, i1, _, j1, j2 in difflib.SequenceMatcher(
+        None, signatures3, signatures4, autojunk=False
+    ).get_opcodes():
         if tag == "equal":
             continue
         if tag != "insert":
@@ -134,7 +139,10 @@ def _candidate_cuts(
         insertions.append((i1, j2 - j1))
     if not insertions:
         raise CannotRepeatLayers("one more layer adds no nodes to the graph")
-    layer_reads = [{placeholder_layer[x].layer for x in n.all_input_nodes if x in placeholder_layer} for n in calls3]
+    layer_reads = [
+        {placeholder_layer[x].layer for x in n.all_input_nodes if x in placeholder_layer}
+        for n in calls3
+    ]
 
     def fits(region: _Region) -> bool:
         start, length = region.start, region.length
@@ -156,7 +164,9 @@ def _candidate_cuts(
             if fits(region := _Region(start, length, descending))
         ]
         if not found:
-            raise CannotRepeatLayers(f"no run of the 3-layer graph near node {position} repeats every {length} nodes")
+            raise CannotRepeatLayers(
+                f"no run of the 3-layer graph near node {position} repeats every {length} nodes"
+            )
         options.append(found)
     for regions in itertools.product(*options):
         if not _overlapping(regions):
@@ -197,7 +207,7 @@ def _placeholder_layers(graph: fx.Graph, prefixes: list[str]) -> dict[fx.Node, _
             continue
         for layer, prefix in enumerate(prefixes):
             if name.startswith(prefix):
-                found[node] = _Label("p", layer, (kind, name[len(prefix):]))
+                found[node] = _Label("p", layer, (kind, name[len(prefix) :]))
                 break
     return found
 
@@ -262,7 +272,9 @@ class _Stamper:
             for layer in self._layers_for(kind, template_layer):
                 for node in members:
                     label = self.labels[node]
-                    self.layered[(label.kind, layer, label.key)] = self._emit(node, template_layer, layer)
+                    self.layered[(label.kind, layer, label.key)] = self._emit(
+                        node, template_layer, layer
+                    )
         self._emit_output(self.template.output_node())
         return fx.GraphModule(self.template_module, self.graph)
 
@@ -290,7 +302,9 @@ class _Stamper:
             raise CannotRepeatLayers("a node outside the layers reads the middle layer")
         target = layer + source.layer - template_layer
         if not 0 <= target < self.n_layers:
-            raise CannotRepeatLayers(f"a layer reads layer {target}, outside 0..{self.n_layers - 1}")
+            raise CannotRepeatLayers(
+                f"a layer reads layer {target}, outside 0..{self.n_layers - 1}"
+            )
         return target
 
     def _lookup(self, source: fx.Node, template_layer: int | None, layer: int | None) -> fx.Node:
@@ -300,14 +314,18 @@ class _Stamper:
         key = (label.kind, self._target_layer(label, template_layer, layer), label.key)
         found = self.layered.get(key)
         if found is None:
-            raise CannotRepeatLayers("a layer reads a node that comes after it in the repeated graph")
+            raise CannotRepeatLayers(
+                "a layer reads a node that comes after it in the repeated graph"
+            )
         return found
 
     def _emit(self, node: fx.Node, template_layer: int | None, layer: int | None) -> fx.Node:
         args = fx.map_arg(node.args, lambda x: self._lookup(x, template_layer, layer))
         kwargs = fx.map_arg(node.kwargs, lambda x: self._lookup(x, template_layer, layer))
         name = self._placeholder_name(node) if node.op == "placeholder" else _base_name(node.name)
-        target = name if node.op == "placeholder" else node.target  # a placeholder's target is its argument name
+        target = (
+            name if node.op == "placeholder" else node.target
+        )  # a placeholder's target is its argument name
         new = self.graph.create_node(node.op, target, args, kwargs, name=name, type_expr=node.type)
         new.meta = dict(node.meta)
         if node.op == "placeholder" and layer is not None:
@@ -320,7 +338,9 @@ class _Stamper:
         return f"{stem}_{self.placeholder_counts[stem]}"
 
     def _retarget(self, desc: Any, template_layer: int, layer: int) -> Any:
-        return internals.retarget_descriptor(desc, self.prefixes[template_layer], self.prefixes[layer])
+        return internals.retarget_descriptor(
+            desc, self.prefixes[template_layer], self.prefixes[layer]
+        )
 
     def _emit_output(self, output: fx.Node) -> None:
         values, descs = output.args[0], output.meta.get("desc")
@@ -329,7 +349,9 @@ class _Stamper:
         entries = list(zip(values, descs))
         new_values: list[Any] = []
         new_descs: list[Any] = []
-        for layer_of_group, group in groupby(entries, key=lambda entry: self._gradient_layer(entry[1])):
+        for layer_of_group, group in groupby(
+            entries, key=lambda entry: self._gradient_layer(entry[1])
+        ):
             members = list(group)
             if layer_of_group is None:
                 for value, desc in members:
@@ -338,7 +360,14 @@ class _Stamper:
                 continue
             for layer in self._layers_for("p", layer_of_group):
                 for value, desc in members:
-                    new_values.append(fx.map_arg(value, lambda x: self._lookup(x, layer_of_group, layer)))
+                    new_values.append(
+                        fx.map_arg(
+                            value,
+                            lambda x, template=layer_of_group, at=layer: self._lookup(
+                                x, template, at
+                            ),
+                        )
+                    )
                     new_descs.append(self._retarget(desc, layer_of_group, layer))
         result = self.graph.output(type(values)(new_values))
         result.meta = dict(output.meta)
@@ -381,7 +410,9 @@ def first_difference(stamped: fx.Graph, traced: fx.Graph) -> str | None:
         if _value_signature(a.meta.get("val")) != _value_signature(b.meta.get("val")):
             return f"node {position} ({b.name}): different shape, dtype or strides"
         if repr(a.meta.get("desc")) != repr(b.meta.get("desc")):
-            return f"node {position} ({b.name}): {a.meta.get('desc')!r} against {b.meta.get('desc')!r}"
+            return (
+                f"node {position} ({b.name}): {a.meta.get('desc')!r} against {b.meta.get('desc')!r}"
+            )
     return None
 
 

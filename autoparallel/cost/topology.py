@@ -171,7 +171,9 @@ def get_hardware(hardware: str | Hardware | None) -> Hardware:
             f"unknown hardware preset {hardware!r}; choose one of: {choices} "
             "(or pass a Hardware instance)"
         )
-    raise TypeError(f"hardware must be a preset name, a Hardware or None, got {type(hardware).__name__}")
+    raise TypeError(
+        f"hardware must be a preset name, a Hardware or None, got {type(hardware).__name__}"
+    )
 
 
 def _dim_crosses_nodes(mesh_shape: tuple[int, ...], mesh_dim: int, gpus_per_node: int) -> bool:
@@ -205,7 +207,9 @@ def _normalize_mesh_shape(mesh_shape: object) -> tuple[int, ...]:
     try:
         shape = tuple(operator.index(s) for s in mesh_shape)  # type: ignore[union-attr]
     except TypeError:
-        raise ValueError(f"mesh_shape must be a sequence of positive integers, got {mesh_shape!r}") from None
+        raise ValueError(
+            f"mesh_shape must be a sequence of positive integers, got {mesh_shape!r}"
+        ) from None
     if not shape:
         raise ValueError("mesh_shape must have at least one dimension")
     if any(s < 1 for s in shape):
@@ -246,7 +250,9 @@ class Topology:
 
     def _check_dim(self, mesh_dim: int) -> int:
         if not -self.ndim <= mesh_dim < self.ndim:
-            raise ValueError(f"mesh_dim {mesh_dim} out of range for mesh of shape {self.mesh_shape}")
+            raise ValueError(
+                f"mesh_dim {mesh_dim} out of range for mesh of shape {self.mesh_shape}"
+            )
         return mesh_dim % self.ndim
 
     def is_inter_node(self, mesh_dim: int) -> bool:
@@ -261,15 +267,17 @@ class Topology:
     def latency_us(self, mesh_dim: int) -> float:
         """Per-message latency (us) of the link used along ``mesh_dim``."""
         hw = self.hardware
-        return hw.inter_node_latency_us if self.is_inter_node(mesh_dim) else hw.intra_node_latency_us
+        return (
+            hw.inter_node_latency_us if self.is_inter_node(mesh_dim) else hw.intra_node_latency_us
+        )
 
     @classmethod
     def from_mesh(
         cls,
-        mesh: "DeviceMesh",
+        mesh: DeviceMesh,
         hardware: str | Hardware | None = None,
         gpus_per_node: int | None = None,
-    ) -> "Topology":
+    ) -> Topology:
         """Build from a ``DeviceMesh``; ``gpus_per_node=None`` means ``min(8, world size)``."""
         shape = tuple(int(s) for s in mesh.shape)
         if gpus_per_node is None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -24,69 +24,21 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from autoparallel import _torch_internals as internals
-from autoparallel.layer_stamping import CHECK_LAYERS, TEMPLATE_LAYERS, CannotRepeatLayers, stamp_verified
-from autoparallel.repeated_layers import LayerIndexRead, RepeatedLayers, find_repeated_layers, with_first_layers
+from autoparallel.trace.layer_stamping import (
+    CHECK_LAYERS,
+    TEMPLATE_LAYERS,
+    CannotRepeatLayers,
+    stamp_verified,
+)
+from autoparallel.trace.mixed_precision import WRAPPED_PREFIX, MixedPrecisionModule
+from autoparallel.trace.repeated_layers import (
+    LayerIndexRead,
+    find_repeated_layers,
+    with_first_layers,
+)
+from autoparallel.types.graph import JointGraph, RepeatedLayers
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class JointGraph:
-    """The traced joint graph and the roles of its inputs and outputs.
-
-    Attributes:
-        graph_module: joint forward+backward graph; every node's ``meta["val"]`` is a fake
-            tensor with the *global* shape.
-        params / buffers: fully-qualified name -> placeholder node.
-        user_inputs: placeholders of the flattened user inputs, in pytree-leaf order.
-        tangents: placeholder of the incoming gradient for each user output index.
-        user_outputs: node producing each flattened user output.
-        param_grads: parameter name -> node producing its gradient (missing if the parameter
-            gets no gradient).
-        input_grads: user-input index -> node producing its gradient.
-        forward_nodes: nodes of the forward pass (the rest of the call_function nodes are
-            backward); used by logs and later by folding, which must not mix the two.
-        in_spec / out_spec: pytree structure of the user's inputs ((args, kwargs)) and outputs.
-        tied_params: groups of parameter names that are one tensor (tied embeddings); the
-            graph has a placeholder per name, and the plan must give them one placement.
-        layers_traced_once: the container of identical layers whose graph was built from
-            3 and 4 traced layers (repeated_layers.py), or None if every layer was traced.
-    """
-
-    graph_module: fx.GraphModule
-    fake_mode: Any
-    params: dict[str, fx.Node]
-    buffers: dict[str, fx.Node]
-    user_inputs: list[fx.Node]
-    tangents: dict[int, fx.Node]
-    user_outputs: list[fx.Node | None]
-    param_grads: dict[str, fx.Node]
-    input_grads: dict[int, fx.Node]
-    forward_nodes: set[fx.Node]
-    in_spec: TreeSpec
-    out_spec: TreeSpec
-    device: torch.device
-    tied_params: list[list[str]] = field(default_factory=list)
-    layers_traced_once: RepeatedLayers | None = None
-
-    @property
-    def graph(self) -> fx.Graph:
-        return self.graph_module.graph
-
-    def placeholder_role(self, node: fx.Node) -> str:
-        """A short human word for a placeholder: 'param', 'buffer', 'input' or 'tangent'."""
-        return self._roles().get(node, "other")
-
-    def _roles(self) -> dict[fx.Node, str]:
-        roles: dict[fx.Node, str] = {}
-        roles.update({n: "param" for n in self.params.values()})
-        roles.update({n: "buffer" for n in self.buffers.values()})
-        roles.update({n: "input" for n in self.user_inputs})
-        roles.update({n: "tangent" for n in self.tangents.values()})
-        return roles
-
-    def param_name_of(self) -> dict[fx.Node, str]:
-        return {node: name for name, node in self.params.items()}
 
 
 def trace_device(mesh_device_type: str) -> torch.device:
@@ -144,7 +96,9 @@ def normalize_inputs(raw: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     )
 
 
-def _fake_inputs(args: tuple, kwargs: dict, fake_mode: Any, device: torch.device) -> tuple[tuple, dict]:
+def _fake_inputs(
+    args: tuple, kwargs: dict, fake_mode: Any, device: torch.device
+) -> tuple[tuple, dict]:
     leaves, spec = tree_flatten((args, kwargs))
     if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
         raise TypeError("input_fn() returned no tensor: the model needs at least one tensor input")
@@ -172,7 +126,7 @@ def trace_joint(
     """Trace ``model`` on the global inputs of ``input_fn`` into a :class:`JointGraph`.
 
     With a (checked) ``mp_policy`` the model is traced inside
-    :class:`~autoparallel.mixed_precision.MixedPrecisionModule`, so the graph holds the
+    :class:`~autoparallel.trace.mixed_precision.MixedPrecisionModule`, so the graph holds the
     precision casts; parameter names are still the model's own.
 
     With ``trace_layers_once``, a model whose layers are identical modules is traced with
@@ -195,33 +149,36 @@ def trace_joint(
     return joint
 
 
-def _trace(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, mp_policy: Any) -> JointGraph:
+def _trace(
+    model: nn.Module, args: tuple, kwargs: dict, device: torch.device, mp_policy: Any
+) -> JointGraph:
     fake_mode = internals.new_fake_mode()
     fake_args, fake_kwargs = _fake_inputs(args, kwargs, fake_mode, device)
     fake_model = _fake_copy_of_model(model, fake_mode, device)
     name_prefix = _name_prefix(mp_policy)
     if mp_policy is not None:
-        from autoparallel.mixed_precision import MixedPrecisionModule
-
         fake_model = MixedPrecisionModule(fake_model, mp_policy)
 
     # The export's contexts only matter for compiling the graph; we read it and close them.
     with contextlib.ExitStack() as stack:
         export = internals.export_joint(stack, fake_model, fake_args, fake_kwargs)
     _, in_spec = tree_flatten((args, kwargs))
-    return _assign_roles(export.graph_module, fake_mode, in_spec, export.out_spec, device, name_prefix)
+    return _assign_roles(
+        export.graph_module, fake_mode, in_spec, export.out_spec, device, name_prefix
+    )
 
 
 def _name_prefix(mp_policy: Any) -> str:
-    if mp_policy is None:
-        return ""
-    from autoparallel.mixed_precision import WRAPPED_PREFIX
-
-    return WRAPPED_PREFIX
+    return "" if mp_policy is None else WRAPPED_PREFIX
 
 
 def _trace_layers_once(
-    model: nn.Module, layers: RepeatedLayers, args: tuple, kwargs: dict, device: torch.device, mp_policy: Any
+    model: nn.Module,
+    layers: RepeatedLayers,
+    args: tuple,
+    kwargs: dict,
+    device: torch.device,
+    mp_policy: Any,
 ) -> JointGraph | None:
     """The full joint graph built from traces with 3 and 4 layers, or None (logged) when
     those do not determine it."""
@@ -231,26 +188,41 @@ def _trace_layers_once(
         try:
             short = _trace(with_first_layers(model, layers, count), args, kwargs, device, mp_policy)
         except Exception as exc:  # the model may not run with fewer layers: trace it whole
-            logger.info("tracing all %d layers of `%s`: %s", layers.count, layers.path, _short_trace_failure(exc, count))
+            logger.info(
+                "tracing all %d layers of `%s`: %s",
+                layers.count,
+                layers.path,
+                _short_trace_failure(exc, count),
+            )
             return None
         short_traces.append(short)
     template, check = short_traces
     try:
-        graph_module = stamp_verified(template.graph_module, check.graph_module, layers, name_prefix)
+        graph_module = stamp_verified(
+            template.graph_module, check.graph_module, layers, name_prefix
+        )
     except CannotRepeatLayers as exc:
         logger.info("tracing all %d layers of `%s`: %s", layers.count, layers.path, exc)
         return None
     except Exception as exc:  # a case stamping does not handle must never stop planning
         logger.warning(
             "tracing all %d layers of `%s`: building their graph from 3 and 4 traced layers failed (%s: %s)",
-            layers.count, layers.path, type(exc).__name__, exc,
+            layers.count,
+            layers.path,
+            type(exc).__name__,
+            exc,
         )
         return None
     logger.info(
         "traced %d and %d of the %d identical layers of `%s` and repeated the checked layer for the rest",
-        TEMPLATE_LAYERS, CHECK_LAYERS, layers.count, layers.path,
+        TEMPLATE_LAYERS,
+        CHECK_LAYERS,
+        layers.count,
+        layers.path,
     )
-    joint = _assign_roles(graph_module, template.fake_mode, template.in_spec, template.out_spec, device, name_prefix)
+    joint = _assign_roles(
+        graph_module, template.fake_mode, template.in_spec, template.out_spec, device, name_prefix
+    )
     joint.layers_traced_once = layers
     return joint
 
@@ -296,7 +268,9 @@ def _assign_roles(
         elif kind == "tangent":
             tangent_nodes.append((key, node))
         else:
-            raise NotImplementedError(f"unsupported graph input {node.name} ({node.meta.get('desc')!r})")
+            raise NotImplementedError(
+                f"unsupported graph input {node.name} ({node.meta.get('desc')!r})"
+            )
 
     output_node = graph_module.graph.output_node()
     user_outputs: dict[int, fx.Node | None] = {}
@@ -334,7 +308,11 @@ def _assign_roles(
     )
     logger.debug(
         "traced joint graph: %d nodes, %d params, %d buffers, %d inputs, %d outputs",
-        len(graph_module.graph.nodes), len(params), len(buffers), len(joint.user_inputs), len(joint.user_outputs),
+        len(graph_module.graph.nodes),
+        len(params),
+        len(buffers),
+        len(joint.user_inputs),
+        len(joint.user_outputs),
     )
     return joint
 

@@ -1,9 +1,9 @@
-"""Tracing repeated layers once, part 1: which layers repeat, and the short models to trace.
+"""Which layers of a model repeat, and the short models (3 and 4 layers) to trace instead.
 
 Tracing is torch's own per-op work, about 0.2 s per LLaMA layer on a laptop core, so an
 80-layer model would spend most of its planning time there. When a model's layers are
 identical modules we trace it twice with only its first 3 and first 4 layers and build the
-N-layer graph from those (``layer_stamping.py``, part 2; ``trace.py`` runs both).
+N-layer graph from those (``layer_stamping.py``; ``export.py`` runs both).
 
 :func:`find_repeated_layers` finds the outermost ``ModuleList``/``ModuleDict`` whose children
 are the same class with the same parameter and buffer shapes, equal plain settings and no
@@ -22,42 +22,22 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from autoparallel.types.graph import RepeatedLayers
 
 logger = logging.getLogger(__name__)
 
 # Below this depth a full trace costs about what the two short traces do.
 MIN_LAYERS = 6
 
-_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+_MODULE_INTERNALS = frozenset(
+    {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
+)
 _HOOK_DICT = re.compile(r"^_(global_)?(forward|backward|state_dict|load_state_dict).*hooks.*$")
-
-
-@dataclass(frozen=True)
-class RepeatedLayers:
-    """A container of identical layers: its path in the model and its children's names.
-
-    ``index_attributes`` are integer attributes that number the layers (Hugging Face's
-    ``self_attn.layer_idx``, kept for the KV cache). They are the only thing allowed to
-    differ; the short traces run with them replaced by :class:`UnreadLayerIndex`, so a
-    forward that reads them fails there and the model is traced layer by layer.
-    """
-
-    path: str
-    keys: tuple[str, ...]
-    index_attributes: tuple[str, ...] = ()
-
-    @property
-    def count(self) -> int:
-        return len(self.keys)
-
-    def param_prefix(self, layer: int, name_prefix: str = "") -> str:
-        """Start of the names of ``layer``'s parameters (``"layers.3."``)."""
-        return f"{name_prefix}{self.path}.{self.keys[layer]}."
 
 
 # ---------------------------------------------------------------------------- finding layers
@@ -75,20 +55,31 @@ def find_repeated_layers(model: nn.Module, min_layers: int = MIN_LAYERS) -> Repe
     stacks: list[str] = []
     best: RepeatedLayers | None = None
     for path, container in model.named_modules():
-        if not path or not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or len(container) < min_layers:
+        if (
+            not path
+            or not isinstance(container, (nn.ModuleList, nn.ModuleDict))
+            or len(container) < min_layers
+        ):
             continue
         children = list(container._modules.items())
-        if any(child is None for _, child in children) or len({type(child) for _, child in children}) > 1:
+        if (
+            any(child is None for _, child in children)
+            or len({type(child) for _, child in children}) > 1
+        ):
             continue
         if any(path.startswith(outer + ".") for outer in stacks):
             continue
         stacks.append(path)
         reason, index_attributes = _why_not_repeated(container, children, shared)
         if reason is not None:
-            logger.info("the %d layers of `%s` are traced one by one: %s", len(children), path, reason)
+            logger.info(
+                "the %d layers of `%s` are traced one by one: %s", len(children), path, reason
+            )
             continue
         if best is None or len(children) > best.count:
-            best = RepeatedLayers(path, tuple(key for key, _ in children), tuple(sorted(index_attributes)))
+            best = RepeatedLayers(
+                path, tuple(key for key, _ in children), tuple(sorted(index_attributes))
+            )
     return best
 
 
@@ -159,7 +150,11 @@ def _difference(a: nn.Module, b: nn.Module, index_attributes: set[str]) -> str |
 
 
 def _plain_state(module: nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS and not _HOOK_DICT.match(k)}
+    return {
+        k: v
+        for k, v in vars(module).items()
+        if k not in _MODULE_INTERNALS and not _HOOK_DICT.match(k)
+    }
 
 
 def _tensor_layout(tensors: dict[str, Any]) -> list[tuple]:
@@ -182,7 +177,9 @@ def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
     if isinstance(a, functools.partial):  # e.g. an activation made per layer: partial(gelu, ...)
-        return a.func is b.func and _same_value(a.args, b.args) and _same_value(a.keywords, b.keywords)
+        return (
+            a.func is b.func and _same_value(a.args, b.args) and _same_value(a.keywords, b.keywords)
+        )
     return False
 
 
@@ -208,10 +205,10 @@ class UnreadLayerIndex:
     def __repr__(self) -> str:
         return f"<layer index {self.attribute}, not to be read while tracing>"
 
-    def __copy__(self) -> "UnreadLayerIndex":
+    def __copy__(self) -> UnreadLayerIndex:
         return self
 
-    def __deepcopy__(self, memo: dict) -> "UnreadLayerIndex":
+    def __deepcopy__(self, memo: dict) -> UnreadLayerIndex:
         return self
 
 
@@ -222,8 +219,15 @@ def with_first_layers(model: nn.Module, layers: RepeatedLayers, count: int) -> n
     Only the modules on the way to what changes are copied; the user's model is untouched.
     """
     container = model.get_submodule(layers.path)
-    kept = [(key, _without_index(container._modules[key], layers.index_attributes)) for key in layers.keys[:count]]
-    short = nn.ModuleDict(kept) if isinstance(container, nn.ModuleDict) else nn.ModuleList(m for _, m in kept)
+    kept = [
+        (key, _without_index(container._modules[key], layers.index_attributes))
+        for key in layers.keys[:count]
+    ]
+    short = (
+        nn.ModuleDict(kept)
+        if isinstance(container, nn.ModuleDict)
+        else nn.ModuleList(m for _, m in kept)
+    )
     return _replace_submodule(model, layers.path.split("."), short)
 
 

@@ -18,7 +18,8 @@ through (no copy). Outside planning (the plain model on one device) the op is a 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -26,11 +27,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from autoparallel.strategies.types import placement_str
+from autoparallel.types.placements import placement_str
 
 
 @torch.library.custom_op("autoparallel::sharding_constraint", mutates_args=())
-def _sharding_constraint(x: torch.Tensor, placements: str, mesh_shape: Sequence[int]) -> torch.Tensor:
+def _sharding_constraint(
+    x: torch.Tensor, placements: str, mesh_shape: Sequence[int]
+) -> torch.Tensor:
     return x.clone()
 
 
@@ -53,7 +56,9 @@ sharding_constraint_op = torch.ops.autoparallel.sharding_constraint.default
 """The ATen-level op the traced graph holds."""
 
 
-def with_sharding_constraint(x: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh | None = None) -> torch.Tensor:
+def with_sharding_constraint(
+    x: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """Force the planner to give ``x`` these placements (and its gradient too).
 
     Args:
@@ -71,7 +76,9 @@ def with_sharding_constraint(x: torch.Tensor, placements: Sequence[Placement], m
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if mesh is not None and len(placements) != mesh.ndim:
-        raise ValueError(f"with_sharding_constraint: {len(placements)} placements for a {mesh.ndim}-D mesh")
+        raise ValueError(
+            f"with_sharding_constraint: {len(placements)} placements for a {mesh.ndim}-D mesh"
+        )
     if isinstance(x, DTensor):
         return x.redistribute(mesh or x.device_mesh, placements)
     mesh_shape = list(mesh.shape) if mesh is not None else []
@@ -79,7 +86,11 @@ def with_sharding_constraint(x: torch.Tensor, placements: Sequence[Placement], m
 
 
 def _checked(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
-    if isinstance(placements, Placement) or not isinstance(placements, (tuple, list)) or not placements:
+    if (
+        isinstance(placements, Placement)
+        or not isinstance(placements, (tuple, list))
+        or not placements
+    ):
         raise TypeError(
             "with_sharding_constraint: placements must be a non-empty tuple with one Shard/Replicate "
             f"per mesh dimension, e.g. (Shard(0), Replicate()); got {placements!r}"
@@ -88,14 +99,20 @@ def _checked(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...
     for placement in placements:
         if isinstance(placement, Shard):
             if not -ndim <= placement.dim < ndim:
-                raise ValueError(f"with_sharding_constraint: Shard({placement.dim}) on a {ndim}-D tensor")
+                raise ValueError(
+                    f"with_sharding_constraint: Shard({placement.dim}) on a {ndim}-D tensor"
+                )
             checked.append(Shard(placement.dim % ndim))
         elif isinstance(placement, Replicate):
             checked.append(placement)
         elif isinstance(placement, Partial):
-            raise ValueError("with_sharding_constraint: Partial is not a layout a tensor can be constrained to")
+            raise ValueError(
+                "with_sharding_constraint: Partial is not a layout a tensor can be constrained to"
+            )
         else:
-            raise TypeError(f"with_sharding_constraint: {placement!r} is not a Shard or Replicate placement")
+            raise TypeError(
+                f"with_sharding_constraint: {placement!r} is not a Shard or Replicate placement"
+            )
     return tuple(checked)
 
 
@@ -110,9 +127,11 @@ def constraint_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [node for node in graph.nodes if is_sharding_constraint(node)]
 
 
-def requested_placements(node: fx.Node, mesh_shape: Sequence[int], where: str = "") -> tuple[Placement, ...]:
+def requested_placements(
+    node: fx.Node, mesh_shape: Sequence[int], where: str = ""
+) -> tuple[Placement, ...]:
     """The placements a constraint node asks for, checked against the planning mesh."""
-    from autoparallel.persistence import parse_placements
+    from autoparallel.types.placements import parse_placements
 
     _, text, constraint_mesh = node.args
     placements = parse_placements(text)
@@ -127,16 +146,3 @@ def requested_placements(node: fx.Node, mesh_shape: Sequence[int], where: str = 
             f"{len(mesh_shape)} dimensions; give one placement per mesh dimension"
         )
     return placements
-
-
-def sharding_constraints(problem: Any, mesh_shape: Sequence[int]) -> list[Any]:
-    """One named placement constraint per constraint node of the problem's graph."""
-    constraints = []
-    forward = problem.joint.forward_nodes
-    for node in constraint_nodes(problem.joint.graph):
-        tensor = node.all_input_nodes[0].name
-        what = f" on {tensor}" + ("" if node in forward else " (gradient)")
-        placements = requested_placements(node, mesh_shape, what)
-        name = f"with_sharding_constraint:{node.name}"
-        constraints.append(problem.placement_constraint(name, node, placements, f"with_sharding_constraint{what}"))
-    return constraints

@@ -1,4 +1,4 @@
-"""A plan as plain, JSON-serializable data (schema version 1), for reports and tools.
+"""A plan as plain, JSON-serializable data (schema version 1): writing it and reading it back.
 
 :func:`get_json` is the one place that turns a (Problem, Plan) pair into dicts, lists,
 strings and numbers, so an HTML report, a CLI or a notebook can all read the same thing
@@ -13,7 +13,7 @@ each device holds), ``inputs``/``outputs``, ``nodes`` (placements and costs per 
 ``autoparallel plan``: ``run`` (model, batch, timings) and ``problem`` (the file name of the
 whole problem saved as ``.npz``, relative to the JSON's folder, for ``autoparallel explain
 --placement``; absent when none was saved). Readers must ignore keys they do not know, so
-adding a section keeps the version; :mod:`autoparallel.report.plan_json` reads the file back.
+adding a section keeps the version. :func:`read_plan_json` reads a file back.
 
 ``module`` of a parameter is the module holding it (``layers.0.attention.wq``). ``module``
 of a node, a collective and a ``layers`` row is an *attribution*: the traced graph carries
@@ -24,23 +24,40 @@ no module-stack metadata, so each node is attributed to a module by the paramete
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from autoparallel.shapes import local_shape
-from autoparallel.solver.plan import ArgumentCost, NodePlan, Plan
-from autoparallel.solver.problem import Problem
-from autoparallel.strategies.types import OutputPlacements, is_multi, placement_str
-from autoparallel.trace import JointGraph
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.placements import OutputPlacements, is_multi, placement_str
+from autoparallel.types.plan import ArgumentCost, NodePlan, Plan
+from autoparallel.types.problem import Problem
+from autoparallel.types.tensors import local_shape
 
 SCHEMA_VERSION = 1
 
-__all__ = ["SCHEMA_VERSION", "collective_kind", "get_json", "module_of_parameter", "node_modules", "owner_of_parameter"]
+__all__ = [
+    "READ_VERSIONS",
+    "SCHEMA_VERSION",
+    "PlanJsonError",
+    "collective_kind",
+    "get_json",
+    "module_of_parameter",
+    "node_modules",
+    "owner_of_parameter",
+    "plan_json",
+    "problem_path",
+    "problem_reference",
+    "read_plan_json",
+]
 
 
 # ---------------------------------------------------------------------------- modules
@@ -86,7 +103,7 @@ class _Nearest:
     distance: float
     module: str
 
-    def merged(self, other: "_Nearest") -> "_Nearest":
+    def merged(self, other: _Nearest) -> _Nearest:
         if other.distance < self.distance:
             return other
         if other.distance > self.distance:
@@ -135,7 +152,9 @@ def _last_entered(joint: JointGraph, position: dict[fx.Node, int]) -> dict[fx.No
     found: dict[fx.Node, _Nearest] = {}
     for node in joint.graph.nodes:
         if node.op == "placeholder":
-            found[node] = _Nearest(-1, module_of_parameter(param_of[node])) if node in param_of else _NONE
+            found[node] = (
+                _Nearest(-1, module_of_parameter(param_of[node])) if node in param_of else _NONE
+            )
             continue
         if node.op != "call_function":
             continue
@@ -325,25 +344,21 @@ def _layers(plan: Plan, modules: dict[str, str]) -> list[dict[str, Any]]:
     ]
 
 
-def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
-    """The plan as JSON-serializable data, schema version 1 (see the module docstring).
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """The sections a Plan alone gives: ``mesh``, ``totals``, ``solver``, ``nodes`` (without
+    module attribution), ``parameters`` (placements only) and ``fallbacks``.
 
-    ``problem`` must be the one ``plan`` was solved from (node and parameter names are
-    looked up in it). ``constraints`` lists the user constraints in force in ``problem``
-    now, which are the plan's own unless constraints were changed after solving.
+    Enough for the summary's totals and the diff of two plans (:mod:`autoparallel.report.text`),
+    which is how the live tools (``diff_solutions``, the verbose log) use the same code as
+    ``autoparallel diff`` on files.
     """
-    joint = problem.joint
-    topology = problem.tables.topology
-    modules = node_modules(joint)
     totals, solver = plan.totals, plan.solver
-    outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
     return {
         "version": SCHEMA_VERSION,
         "mesh": {
             "shape": list(plan.mesh_shape),
             "dim_names": list(plan.mesh_dim_names) if plan.mesh_dim_names is not None else None,
         },
-        "hardware": {"name": topology.hardware.name, "gpus_per_node": topology.gpus_per_node},
         "totals": {
             "total_us": _num(totals.total_us),
             "comm_us": _num(totals.comm_us),
@@ -360,12 +375,114 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
             "num_constraints": int(solver.num_constraints),
             "method": solver.method,
         },
+        "parameters": [
+            {"name": name, "placements": placement_str(p)}
+            for name, p in plan.param_placements.items()
+        ],
+        "nodes": _nodes(plan, {}),
+        "fallbacks": list(plan.fallbacks),
+    }
+
+
+def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
+    """The plan as JSON-serializable data, schema version 1 (see the module docstring).
+
+    ``problem`` must be the one ``plan`` was solved from (node and parameter names are
+    looked up in it). ``constraints`` lists the user constraints in force in ``problem``
+    now, which are the plan's own unless constraints were changed after solving.
+    """
+    joint = problem.joint
+    topology = problem.tables.topology
+    modules = node_modules(joint)
+    outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
+    data = plan_json(plan)
+    return {
+        "version": data["version"],
+        "mesh": data["mesh"],
+        "hardware": {"name": topology.hardware.name, "gpus_per_node": topology.gpus_per_node},
+        "totals": data["totals"],
+        "solver": data["solver"],
         "parameters": _parameters(problem, plan),
         "inputs": _boundary(joint.user_inputs, plan.input_placements),
         "outputs": _boundary(outputs, plan.output_placements),
         "nodes": _nodes(plan, modules),
         "collectives": _collectives(plan, modules),
         "layers": _layers(plan, modules),
-        "fallbacks": list(plan.fallbacks),
+        "fallbacks": data["fallbacks"],
         "constraints": {name: c.description for name, c in problem.user_constraints.items()},
     }
+
+
+# ---------------------------------------------------------------------------- reading
+#
+# The JSON answers every question about the chosen plan by itself. Questions about plans
+# *not* chosen (what would ``S(0)R`` cost here?) need the whole problem, which ``autoparallel
+# plan --out`` saves next to the JSON as a ``.npz`` and names in the ``problem`` entry, a path
+# relative to the JSON's folder. :func:`read_plan_json` returns the dict or raises
+# :class:`PlanJsonError` with a one-line message that says what to do.
+
+READ_VERSIONS = (1,)
+"""Schema versions this code reads (:data:`SCHEMA_VERSION` must be one of them)."""
+
+_REQUIRED = {"mesh": dict, "totals": dict, "parameters": list}
+
+
+class PlanJsonError(ValueError):
+    """A file that is not a plan JSON this version can read (one-line message)."""
+
+
+def read_plan_json(path: str | Path) -> dict[str, Any]:
+    """The plan dict in ``path``, checked for the schema version and the sections tools read."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PlanJsonError(
+            f"{path} is not a plan JSON written by `autoparallel plan --out` ({_short(error)})"
+        ) from error
+    if not isinstance(data, dict) or "version" not in data:
+        raise PlanJsonError(
+            f"{path} is not a plan JSON written by `autoparallel plan --out` (no schema version)"
+        )
+    _check_version(path, data["version"])
+    for key, kind in _REQUIRED.items():
+        if not isinstance(data.get(key), kind):
+            raise PlanJsonError(
+                f"{path} is not a complete plan JSON: its {key!r} entry is missing or not a {kind.__name__}"
+            )
+    return data
+
+
+def _check_version(path: Path, version: Any) -> None:
+    if version in READ_VERSIONS:
+        return
+    newest = max(READ_VERSIONS)
+    if isinstance(version, int) and not isinstance(version, bool) and version > newest:
+        raise PlanJsonError(
+            f"{path} has plan schema version {version}, newer than this autoparallel reads ({newest}); upgrade autoparallel"
+        )
+    raise PlanJsonError(
+        f"{path} has plan schema version {version!r}, which this autoparallel does not read "
+        f"(it reads {', '.join(map(str, READ_VERSIONS))}); plan again with `autoparallel plan ... --out`"
+    )
+
+
+def _short(error: Exception) -> str:
+    return " ".join(str(error).split())[:200]
+
+
+def problem_reference(problem: Path, json_path: Path) -> str:
+    """How a plan JSON at ``json_path`` names its saved ``problem``: relative to the JSON's
+    folder when that is possible (so the pair can be moved together), else absolute."""
+    try:
+        return Path(os.path.relpath(problem.resolve(), json_path.resolve().parent)).as_posix()
+    except ValueError:  # another drive on Windows
+        return str(problem.resolve())
+
+
+def problem_path(data: Mapping[str, Any], json_path: Path) -> Path | None:
+    """The saved problem a plan JSON names, resolved against the JSON's folder (None if none)."""
+    reference = data.get("problem")
+    if not isinstance(reference, str) or not reference:
+        return None
+    return json_path.parent / reference

@@ -1,0 +1,112 @@
+"""The Plan: what the solver chose, in plain data keyed by node and parameter names.
+
+Every reader of a solution (the log, explain/diff/save/load, the JSON and the runtime) reads
+this one type. It holds names and placements, never live torch objects, so it can be kept,
+compared and sent to other ranks. :class:`Solution` is the solver's raw answer (a strategy
+index per node) from which ``solver/plan.py`` builds the Plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from autoparallel.types.placements import OutputPlacements, Placements
+from autoparallel.types.strategies import Strategy
+
+
+@dataclass
+class SolverStats:
+    status: str
+    objective: float
+    bound: float
+    gap: float
+    time_s: float
+    num_variables: int
+    num_constraints: int
+    # "lp": the LP relaxation came out integral (a proven optimum without branching);
+    # "mip": branch and bound ran (small problems, or a fractional relaxation)
+    method: str = "mip"
+
+
+@dataclass
+class Solution:
+    choice: dict[fx.Node, int]
+    stats: SolverStats
+
+
+@dataclass(frozen=True)
+class ArgumentCost:
+    """How one input slot of a node is fed: producer placement -> required placement."""
+
+    producer: str
+    slot: int
+    kind: str  # "arg", "param_grad", "input_grad", "output"
+    src: OutputPlacements
+    dst: OutputPlacements
+    comm_us: float
+    transition_us: float
+    # placements visited between src and dst, one mesh dim changing per step (the priced
+    # route, which the runtime follows); () when src -> dst is a single step or no change
+    route: tuple[OutputPlacements, ...] = ()
+
+    @property
+    def is_redistribution(self) -> bool:
+        return self.src != self.dst
+
+    @property
+    def steps(self) -> list[tuple[OutputPlacements, OutputPlacements]]:
+        """(from, to) of each step of the redistribution, in execution order."""
+        states = [self.src, *self.route, self.dst]
+        return [(a, b) for a, b in zip(states, states[1:]) if a != b]
+
+
+@dataclass
+class NodePlan:
+    name: str
+    target: str
+    shape: tuple[int, ...] | None
+    phase: str  # "placeholder", "forward" or "backward"
+    strategy: Strategy
+    compute_us: float
+    arguments: list[ArgumentCost] = field(default_factory=list)
+
+    @property
+    def comm_us(self) -> float:
+        return sum(a.comm_us for a in self.arguments)
+
+    @property
+    def transition_us(self) -> float:
+        return sum(a.transition_us for a in self.arguments)
+
+
+@dataclass(frozen=True)
+class CostTotals:
+    total_us: float
+    comm_us: float
+    compute_us: float
+    transition_us: float
+
+
+@dataclass
+class Plan:
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    nodes: dict[str, NodePlan]
+    param_placements: dict[str, Placements]
+    buffer_placements: dict[str, Placements]
+    input_placements: list[Placements]
+    output_placements: list[Placements | None]
+    totals: CostTotals
+    solver: SolverStats
+    fallbacks: list[str]
+
+    def redistributions(self) -> list[tuple[str, ArgumentCost]]:
+        """Every (consumer node name, argument) where a collective or local reshard happens."""
+        return [
+            (name, arg)
+            for name, node in self.nodes.items()
+            for arg in node.arguments
+            if arg.is_redistribution
+        ]

@@ -1,0 +1,135 @@
+"""The optimization problem as data: columns, objective, rows and named user constraints.
+
+``solver/problem.py`` builds a :class:`Problem` from the earlier stages' outputs;
+``solver/constraints.py`` adds the user's constraint families to it; ``solver/highs.py``
+solves it. The variables and rows are described in ``solver/problem.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.fx as fx
+
+from autoparallel.types.costs import CostTables
+from autoparallel.types.graph import JointGraph
+from autoparallel.types.strategies import StrategySpace
+
+MIB = float(1 << 20)
+
+
+@dataclass
+class Folding:
+    """Node -> representative; a node that is its own representative is not folded."""
+
+    representative: dict[fx.Node, fx.Node]
+
+    @property
+    def num_classes(self) -> int:
+        return len(set(self.representative.values()))
+
+    @property
+    def num_folded(self) -> int:
+        return sum(1 for node, rep in self.representative.items() if node is not rep)
+
+
+@dataclass
+class Row:
+    """One linear constraint ``lower <= sum(values * x[columns]) <= upper``."""
+
+    columns: np.ndarray
+    values: np.ndarray
+    lower: float
+    upper: float
+
+    def merged(self) -> Row:
+        """The same row with repeated columns (folded nodes share them) summed into one."""
+        columns, inverse = np.unique(self.columns, return_inverse=True)
+        values = np.zeros(len(columns))
+        np.add.at(values, inverse, self.values)
+        return Row(columns, values, self.lower, self.upper)
+
+
+@dataclass(frozen=True)
+class EdgeMove:
+    """One edge column: it moves the value from ``src`` to ``dst`` placements for ``comm_us``."""
+
+    column: int
+    src: object
+    dst: object
+    comm_us: float
+
+
+@dataclass
+class UserConstraint:
+    """A named constraint the user asked for; ``rows`` are added to the structural ones."""
+
+    name: str
+    description: str
+    rows: list[Row]
+
+
+@dataclass
+class Problem:
+    joint: JointGraph
+    space: StrategySpace
+    tables: CostTables
+    node_columns: dict[fx.Node, np.ndarray]
+    edge_columns: list[np.ndarray]
+    objective: np.ndarray
+    integrality: np.ndarray
+    rows: list[Row]
+    folding: Folding | None = None
+    user_constraints: dict[str, UserConstraint] = field(default_factory=dict)
+    # per edge: "pairs" (edge_columns[e][k] is edge.pairs[k]) or "routes" (edge_columns[e][k]
+    # is arc k of edge.routes.table); empty means all pairs
+    edge_encodings: list[str] = field(default_factory=list)
+
+    def edge_encoding(self, index: int) -> str:
+        return self.edge_encodings[index] if self.edge_encodings else "pairs"
+
+    def edge_moves(self, index: int) -> list[EdgeMove]:
+        """What each column of edge ``index`` moves: a placement pair or one route step."""
+        edge, columns = self.tables.edges[index], self.edge_columns[index]
+        if self.edge_encoding(index) == "pairs":
+            return [
+                EdgeMove(int(column), edge.src_options[i], edge.dst_options[j], comm)
+                for column, (i, j, comm, _) in zip(columns, edge.pairs)
+            ]
+        assert edge.routes is not None
+        pricer, table = edge.routes.pricer, edge.routes.table
+        return [
+            EdgeMove(
+                int(column),
+                pricer.placements_of_state(int(a)),
+                pricer.placements_of_state(int(b)),
+                float(comm),
+            )
+            for column, a, b, comm in zip(columns, table.arc_src, table.arc_dst, table.arc_comm)
+        ]
+
+    @property
+    def num_variables(self) -> int:
+        return len(self.objective)
+
+    @property
+    def num_constraints(self) -> int:
+        return len(self.rows) + sum(len(c.rows) for c in self.user_constraints.values())
+
+    # ------------------------------------------------------------------ user constraints
+
+    def add_constraint(self, constraint: UserConstraint) -> str:
+        if constraint.name in self.user_constraints:
+            raise ValueError(f"a constraint named {constraint.name!r} already exists")
+        self.user_constraints[constraint.name] = constraint
+        return constraint.name
+
+    def remove_constraints(self, names: list[str]) -> None:
+        unknown = [n for n in names if n not in self.user_constraints]
+        if unknown:
+            raise KeyError(
+                f"no such constraints: {unknown}; existing: {sorted(self.user_constraints)}"
+            )
+        for name in names:
+            del self.user_constraints[name]
