@@ -13,12 +13,13 @@ import re
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from autoparallel.report.template import format_bytes
 
 __all__ = [
     "CostDelta",
+    "ParameterChange",
     "PlanDiff",
     "collapse_layers",
     "diff_plan_json",
@@ -208,6 +209,14 @@ _COMPONENTS = ("total_us", "comm_us", "compute_us", "transition_us")
 _LISTED_NAMES = 10
 
 
+class ParameterChange(NamedTuple):
+    """A parameter whose placement changed, in the seed's notation (``S(0)R``)."""
+
+    name: str
+    before: str
+    after: str
+
+
 @dataclass(frozen=True)
 class CostDelta:
     """``b - a`` per cost total, in us (negative: ``b`` is cheaper); None where either side
@@ -230,18 +239,18 @@ class PlanDiff:
     """What changed from plan ``a`` to plan ``b`` (two constraints, two meshes, ...), read
     from their JSON dicts: the one diff behind ``diff_solutions`` and ``autoparallel diff``.
 
-    ``delta`` is a :class:`CostDelta`, ``objective_delta_us`` the same for the solver
-    objectives (which include any objective discount, e.g. prefetch). ``parameters`` lists (name, placement in a, placement in b) of the parameters
-    whose placement changed; ``moves`` counts the nodes (placeholders included) whose output
-    placement changed, per (before, after), most frequent first. Placements are compared as
-    written, in mesh-dim order, so on meshes of different dim names ``mesh_note`` says so.
-    ``nodes_recorded`` is False when either side has no ``nodes`` entry (a JSON built from a
-    Plan alone): then ``moves`` and the ``only_in_*`` lists are empty, not zero.
+    ``delta`` is a :class:`CostDelta`; ``objective_delta_us`` the same for the solver
+    objectives (which include any objective discount, e.g. prefetch). ``parameters`` has a
+    :class:`ParameterChange` per parameter whose placement changed; ``moves`` counts the nodes
+    (placeholders included) whose output placement changed, per (before, after), most
+    frequent first. Placements are compared as written, in mesh-dim order, so on meshes of
+    different dim names ``mesh_note`` says so. ``nodes_recorded`` is False when either side
+    has no ``nodes`` entry: then ``moves`` and the ``only_in_*`` lists are empty, not zero.
     """
 
     delta: CostDelta
     objective_delta_us: float | None
-    parameters: list[tuple[str, str, str]]
+    parameters: list[ParameterChange]
     moves: dict[tuple[str, str], int]
     only_in_a: list[str] = field(default_factory=list)
     only_in_b: list[str] = field(default_factory=list)
@@ -321,9 +330,11 @@ def _placements_by_name(rows: Any) -> dict[str, str] | None:
     }
 
 
-def _changed(a: Mapping[str, str], b: Mapping[str, str]) -> list[tuple[str, str, str]]:
+def _changed(a: Mapping[str, str], b: Mapping[str, str]) -> list[ParameterChange]:
     return [
-        (name, before, b[name]) for name, before in a.items() if name in b and b[name] != before
+        ParameterChange(name, before, b[name])
+        for name, before in a.items()
+        if name in b and b[name] != before
     ]
 
 
