@@ -1,4 +1,5 @@
-"""Shared fixtures: meshes on torch's fake process group (nothing communicates)."""
+"""Shared fixtures: meshes on torch's fake process group (nothing communicates), and gloo
+ranks shared by the multi-rank checks of one test module."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autoparallel._testing.harness import RankPool
 
 
 @pytest.fixture
@@ -26,6 +29,22 @@ def fake_mesh():
     yield make
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """``ranks(world_size)`` -> a :class:`RankPool` of that size, started on first use and
+    shared by the module's tests (starting ranks costs seconds; see _testing/harness.py)."""
+    pools: dict[int, RankPool] = {}
+
+    def pool(world_size: int) -> RankPool:
+        if world_size not in pools:
+            pools[world_size] = RankPool(world_size)
+        return pools[world_size]
+
+    yield pool
+    for each in pools.values():
+        each.close()
 
 
 def meta(factory):

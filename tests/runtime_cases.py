@@ -7,9 +7,11 @@ and full (gathered) tensors that the test compares with the single-process refer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -89,11 +91,39 @@ def train(
     kind: str,
     compiled: bool = False,
 ) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", shape)
-    trace_logs: list[str] = []
-    trace_logger = logging.getLogger("autoparallel.trace")
-    trace_logger.setLevel(logging.INFO)
-    trace_logger.addHandler(_Records(trace_logs))
+    with (
+        _logged("autoparallel.trace") as trace_logs,
+        _logged("autoparallel.runtime.compile") as compiled_logs,
+    ):
+        return _train(
+            model_name, init_device_mesh("cpu", shape), kind, compiled, trace_logs, compiled_logs
+        )
+
+
+@contextlib.contextmanager
+def _logged(logger_name: str) -> Iterator[list[str]]:
+    """The INFO messages of one logger while the block runs (this rank's pool process keeps
+    running other checks afterwards, so the handler is removed again)."""
+    records: list[str] = []
+    logger = logging.getLogger(logger_name)
+    handler, level = _Records(records), logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _train(
+    model_name: str,
+    mesh: Any,
+    kind: str,
+    compiled: bool,
+    trace_logs: list[str],
+    compiled_logs: list[str],
+) -> dict[str, Any]:
     plan, parallel = _plan_and_apply(model_name, mesh, kind)
     parallel.to_empty(device="cpu")
     parallel.init_weights(seed=0)
@@ -103,10 +133,6 @@ def train(
         if compiled
         else parallel
     )
-    compiled_logs: list[str] = []
-    compile_logger = logging.getLogger("autoparallel.runtime.compile")
-    compile_logger.setLevel(logging.INFO)
-    compile_logger.addHandler(_Records(compiled_logs))
     reference_out = reference_model(model_name)(global_batches(model_name)[0]).detach()
     result: dict[str, Any] = {
         "losses": [],

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoparallel import AutoParallel
-from autoparallel._testing.harness import reference_training, run_distributed
+from autoparallel._testing.harness import reference_training
 from autoparallel.models import MLP
 from autoparallel.trace.mixed_precision import MixedPrecisionModule
 
@@ -142,9 +142,9 @@ def _max_abs_error(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def test_training_matches_fully_shard_and_single_process_in_bf16():
-    ours = run_distributed(train_autoparallel, 2, timeout_s=240)[0]
-    theirs = run_distributed(train_fully_shard, 2, timeout_s=240)[0]
+def test_training_matches_fully_shard_and_single_process_in_bf16(ranks):
+    ours = ranks(2).run(train_autoparallel, timeout_s=240)[0]
+    theirs = ranks(2).run(train_fully_shard, timeout_s=240)[0]
     reference = _reference()
     assert ours["param_dtypes"] == ["torch.float32"]  # stored in full precision
     assert ours["output_dtype"] == theirs["output_dtype"] == "torch.bfloat16"  # computed in bf16

@@ -1,13 +1,16 @@
 """The HTML report and the ``autoparallel plan`` command line.
 
 The report is checked on a hand-made plan dict of the JSON schema (version 1) that
-``ShardingOptimizer.get_json()`` returns, so these tests do not depend on the planner; the CLI
-is run end to end on the tiny LLaMA in a subprocess, so its fake process group cannot leak
-into this test process.
+``ShardingOptimizer.get_json()`` returns, so these tests do not depend on the planner. The CLI
+is run end to end on the tiny LLaMA: once as a user runs it (``python -m autoparallel.cli``
+in a fresh interpreter), otherwise through ``main()`` in this process, which is the same code
+without an interpreter's start-up (``plan`` destroys its fake process group when it ends).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -247,7 +250,19 @@ def test_page_renders_in_headless_chromium(tmp_path: Path, sample: dict) -> None
 # ---------------------------------------------------------------------------- command line
 
 
-def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """The ``autoparallel`` command run in this process (``main`` returns its exit status;
+    ``plan`` destroys its fake process group on the way out, success or not)."""
+    from autoparallel.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, stdout.getvalue(), stderr.getvalue())
+
+
+def run_cli_process(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The command as a user runs it: a fresh interpreter, ``python -m autoparallel.cli``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "autoparallel.cli", *args],
@@ -261,7 +276,7 @@ def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def test_cli_plans_tiny_model(tmp_path: Path) -> None:
     out, page = tmp_path / "p.json", tmp_path / "p.html"
-    result = run_cli(
+    result = run_cli_process(
         "plan",
         "--model",
         "tiny",
@@ -358,7 +373,7 @@ def test_cli_bad_arguments(args: list[str], needle: str) -> None:
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
     argv = ["plan"] + [item for pair in base.items() for item in pair]
-    result = run_cli(*argv, timeout=120)
+    result = run_cli(*argv)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -380,14 +395,13 @@ def test_cli_save_and_no_save_exclude_each_other(tmp_path: Path) -> None:
         "--save",
         str(tmp_path / "p.npz"),
         "--no-save",
-        timeout=120,
     )
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "--no-save" in result.stderr and "not allowed" in result.stderr
 
 
 def test_cli_help_mentions_layer_default() -> None:
-    result = run_cli("plan", "--help", timeout=120)
+    result = run_cli("plan", "--help")
     assert result.returncode == 0
     assert "--layers" in result.stdout and "the model's own depth" in " ".join(
         result.stdout.split()
@@ -396,28 +410,12 @@ def test_cli_help_mentions_layer_default() -> None:
 
 def test_cli_no_save_writes_the_json_and_no_problem(tmp_path: Path) -> None:
     """``--no-save``: the plan JSON has every section a report reads, and no problem is saved."""
-    from autoparallel.cli import main
-
     out = tmp_path / "p.json"
-    code = main(
-        [
-            "plan",
-            "--model",
-            "tiny",
-            "--mesh",
-            "2",
-            "--batch",
-            "4",
-            "--seq",
-            "16",
-            "--memory-budget",
-            "1MiB",
-            "--no-save",
-            "--out",
-            str(out),
-        ]
+    result = run_cli(
+        *("plan", "--model", "tiny", "--mesh", "2", "--batch", "4", "--seq", "16"),
+        *("--memory-budget", "1MiB", "--no-save", "--out", str(out)),
     )
-    assert code == 0
+    assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert {"mesh", "hardware", "totals", "solver", "parameters", "inputs", "outputs"} <= set(data)
     assert data["mesh"] == {"shape": [2], "dim_names": ["dp"]}

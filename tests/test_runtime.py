@@ -19,7 +19,7 @@ from runtime_cases import (
     train,
 )
 
-from autoparallel._testing.harness import reference_training, run_distributed
+from autoparallel._testing.harness import reference_training
 
 TOLERANCE = 1e-4
 
@@ -65,11 +65,13 @@ def _max_error(a: dict, b: dict) -> float:
         ("llama", (2,), "fsdp", True),
     ],
 )
-def test_parallel_training_matches_single_device(references, model_name, shape, kind, compiled):
+def test_parallel_training_matches_single_device(
+    ranks, references, model_name, shape, kind, compiled
+):
     world_size = 1
     for size in shape:
         world_size *= size
-    results = run_distributed(train, world_size, model_name, shape, kind, compiled, timeout_s=600)
+    results = ranks(world_size).run(train, model_name, shape, kind, compiled, timeout_s=600)
     reference = references(model_name)
     rank0 = results[0]
     placements = rank0["param_placements"]
@@ -95,8 +97,8 @@ def test_parallel_training_matches_single_device(references, model_name, shape, 
         assert _max_error(result["params"], reference["params"]) < TOLERANCE
 
 
-def test_inference_state_dict_and_input_checks():
-    results = run_distributed(inference_and_state, 2, timeout_s=240)
+def test_inference_state_dict_and_input_checks(ranks):
+    results = ranks(2).run(inference_and_state, timeout_s=240)
     for result in results:
         assert result["inference_error"] < TOLERANCE
         assert result["requires_grad"] is False
@@ -107,32 +109,32 @@ def test_inference_state_dict_and_input_checks():
         assert "sharded over dim0=2" in message
 
 
-def test_to_empty_and_init_weights_match_the_original():
-    assert max(run_distributed(init_matches_reference, 2, timeout_s=120)) == 0.0
+def test_to_empty_and_init_weights_match_the_original(ranks):
+    assert max(ranks(2).run(init_matches_reference, timeout_s=120)) == 0.0
 
 
-def test_simple_api_auto_parallel():
-    assert max(run_distributed(simple_api, 2, timeout_s=120)) < TOLERANCE
+def test_simple_api_auto_parallel(ranks):
+    assert max(ranks(2).run(simple_api, timeout_s=120)) < TOLERANCE
 
 
-def test_dynamic_batch_sizes_run_without_replanning():
-    for errors in run_distributed(dynamic_batch_sizes, 2, timeout_s=240):
+def test_dynamic_batch_sizes_run_without_replanning(ranks):
+    for errors in ranks(2).run(dynamic_batch_sizes, timeout_s=240):
         assert sorted(errors) == [4, 8, 12]
         for output_error, grad_error in errors.values():
             assert output_error < TOLERANCE and grad_error < TOLERANCE
 
 
-def test_one_rank_solves_and_every_rank_applies_its_plan():
-    first, second = run_distributed(plan_is_shared, 2, timeout_s=120)
+def test_one_rank_solves_and_every_rank_applies_its_plan(ranks):
+    first, second = ranks(2).run(plan_is_shared, timeout_s=120)
     assert (first["solved_here"], second["solved_here"]) == (True, False)
     assert first["placements"] == second["placements"]
 
 
-def test_the_runtime_follows_the_planned_route():
+def test_the_runtime_follows_the_planned_route(ranks):
     """Hierarchical all-reduce: the cost model's route for P over the inter-node dim is
     slice, all-reduce, all-gather, and the runtime issues exactly one all-reduce and one
     all-gather (no whole-tensor all-reduce), with the exact sum as the result."""
-    results = run_distributed(route_is_executed, 4, timeout_s=240)
+    results = ranks(4).run(route_is_executed, timeout_s=240)
     for result in results:
         assert result["route"] == ["P(sum)R", "P(sum)S(0)", "RS(0)", "RR"], result["route"]
         assert sorted(result["comms"].values()) == [1, 1]
@@ -142,10 +144,10 @@ def test_the_runtime_follows_the_planned_route():
         assert result["error"] < 1e-5
 
 
-def test_parameter_gradients_are_reduced_together():
+def test_parameter_gradients_are_reduced_together(ranks):
     """Two pending sums bound for R share one all-reduce, two bound for S(0) one
     reduce-scatter; S(1) and an uneven shard keep their own; all equal DTensor's result."""
-    for result in run_distributed(gradients_reduced_together, 2, timeout_s=240):
+    for result in ranks(2).run(gradients_reduced_together, timeout_s=240):
         assert sorted(result["comms"].values()) == [1, 1], result["comms"]
         assert any("all_reduce" in op for op in result["comms"])
         assert any("reduce_scatter" in op for op in result["comms"])
@@ -153,11 +155,11 @@ def test_parameter_gradients_are_reduced_together():
         assert result["error"] < 1e-6 and result["coalescable_error"] < 1e-6
 
 
-def test_parameters_are_gathered_a_layer_at_a_time():
+def test_parameters_are_gathered_a_layer_at_a_time(ranks):
     """Two layers of two sharded parameters each and a root parameter: three all-gathers for
     five parameters (one per layer, the root alone), each value the full tensor, and nothing
     kept after its last read. The unevenly sharded one is not planned for coalescing."""
-    for result in run_distributed(parameters_gathered_by_layer, 2, timeout_s=240):
+    for result in ranks(2).run(parameters_gathered_by_layer, timeout_s=240):
         assert result["groups"] == ["", "layers.0.", "layers.1."]
         assert not result["uneven_planned"]
         assert result["all_gathers"] == 3

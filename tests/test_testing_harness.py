@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autoparallel._testing.harness import (
+    RankPool,
     full_grads,
     full_params,
     gather_full,
@@ -174,3 +175,26 @@ def test_fsdp2_matches_reference_training():
             torch.testing.assert_close(
                 result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name
             )
+
+
+def _pid_and_sum(rank: int, world_size: int, scale: int = 1) -> tuple[int, float]:
+    import os
+
+    value = torch.tensor([float(rank + 1) * scale])
+    dist.all_reduce(value)
+    return os.getpid(), value.item()
+
+
+def test_a_rank_pool_reuses_its_ranks_and_restarts_after_a_failure():
+    with RankPool(2) as pool:
+        first = pool.run(_pid_and_sum, timeout_s=60)
+        second = pool.run(_pid_and_sum, 10, timeout_s=60)
+        assert [value for _, value in first] == [3.0, 3.0]
+        assert [value for _, value in second] == [30.0, 30.0]
+        assert [pid for pid, _ in first] == [pid for pid, _ in second], "the same processes"
+        with pytest.raises(RuntimeError, match="^rank 1 of 2 failed") as info:
+            pool.run(_fail_while_peer_waits, timeout_s=60)
+        assert "rank one failed before the collective" in str(info.value)
+        third = pool.run(_pid_and_sum, timeout_s=60)
+        assert [value for _, value in third] == [3.0, 3.0]
+        assert not {pid for pid, _ in third} & {pid for pid, _ in first}, "fresh ranks"

@@ -2,7 +2,8 @@
 
 ``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
 ``world_size`` fresh processes joined by a gloo process group and returns what each rank
-returned, in rank order. ``reference_training`` runs the same training loop on one process
+returned, in rank order; a :class:`RankPool` does the same on ranks started once and reused
+(what a test module with many multi-rank checks wants). ``reference_training`` runs the same training loop on one process
 without any sharding, so a parallel run can be checked against it. ``gather_full`` turns a
 DTensor back into the full tensor (a collective: call it on every rank, in the same order).
 
@@ -40,6 +41,7 @@ __all__ = [
     "full_grads",
     "full_params",
     "gather_full",
+    "RankPool",
     "reference_training",
     "run_distributed",
 ]
@@ -172,29 +174,56 @@ def run_distributed(
                 )
                 proc.start()
                 processes.append(proc)
-        failure_at: float | None = None
-        dead_since: dict[int, float] = {}
-        while len(reports) < world_size:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            if failure_at is not None and now - failure_at >= _GRACE_S:
-                break
-            try:
-                rank, status, payload = results.get(timeout=0.1)
-            except queue_module.Empty:
-                _note_silent_deaths(processes, reports, dead_since)
-                if failure_at is None and any(status != "ok" for status, _ in reports.values()):
-                    failure_at = time.monotonic()
-                continue
-            reports[rank] = (status, payload)
-            if status != "ok" and failure_at is None:
-                failure_at = time.monotonic()
+        _collect(processes, results, reports, world_size, deadline)
     finally:
         _stop(processes)
         results.close()
         results.join_thread()
 
+    return _verdict(reports, world_size, fn, timeout_s)
+
+
+def _collect(
+    processes: Sequence[Any],
+    results: Any,
+    reports: dict[int, tuple[str, Any]],
+    world_size: int,
+    deadline: float,
+    task: int | None = None,
+) -> None:
+    """Fill ``reports`` (rank -> (status, payload)) from ``results`` until every rank has
+    reported, one has failed and the others had ``_GRACE_S`` to follow, a rank died without
+    reporting, or ``deadline`` passed. With ``task``, messages carry a task number and only
+    that task's count (a pool's earlier, abandoned tasks may still report)."""
+    failure_at: float | None = None
+    dead_since: dict[int, float] = {}
+    while len(reports) < world_size:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        if failure_at is not None and now - failure_at >= _GRACE_S:
+            break
+        try:
+            message = results.get(timeout=0.1)
+        except queue_module.Empty:
+            _note_silent_deaths(processes, reports, dead_since)
+            if failure_at is None and any(status != "ok" for status, _ in reports.values()):
+                failure_at = time.monotonic()
+            continue
+        if task is not None:
+            message_task, *message = message
+            if message_task != task:
+                continue
+        rank, status, payload = message
+        reports[rank] = (status, payload)
+        if status != "ok" and failure_at is None:
+            failure_at = time.monotonic()
+
+
+def _verdict(
+    reports: dict[int, tuple[str, Any]], world_size: int, fn: Any, timeout_s: float
+) -> list[Any]:
+    """The ranks' values in rank order, or the RuntimeError ``run_distributed`` documents."""
     # The first failure to arrive is usually the cause; ranks that merely lost their
     # connection to a failed peer go last whatever their arrival.
     failed = [rank for rank, (status, _) in reports.items() if status != "ok"]
@@ -212,6 +241,105 @@ def run_distributed(
             f"ranks {missing} of {world_size} did not finish (children killed)"
         )
     return [pickle.loads(reports[rank][1]) for rank in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------- pool
+
+
+def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    """Body of one pooled rank: join the group once, then run tasks until told to stop."""
+    os.environ.update(_child_env(rank, world_size, port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while (task := tasks.get()) is not None:
+        number, fn, args, kwargs = task
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+            message = (number, rank, "ok", pickle.dumps(value))
+        except BaseException:  # noqa: BLE001 - everything is reported to the parent
+            message = (number, rank, "error", traceback.format_exc())
+        # what one task compiled must not change how the next one compiles
+        torch.compiler.reset()
+        results.put(message)
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo ranks started once and reused for many ``run`` calls.
+
+    Starting a rank (a fresh interpreter importing torch, joining the group) costs seconds;
+    a test module that runs many short multi-rank checks shares one pool instead. ``run``
+    has the contract of :func:`run_distributed`, with one difference: the ranks keep the
+    default process group and whatever ``fn`` leaves in their process (torch.compile's
+    caches are reset after each call). After any failure or time-out the ranks are stopped
+    and the next ``run`` starts fresh ones, so one failing check cannot poison the next.
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, world_size: int):
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self._context = torch_mp.get_context("spawn")
+        self._processes: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._count = 0
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; values in rank order."""
+        if not callable(fn):
+            raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
+        if not self._processes:
+            self._start()
+        self._count += 1
+        for tasks in self._tasks:
+            tasks.put((self._count, fn, args, kwargs))
+        reports: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        _collect(self._processes, self._results, reports, self.world_size, deadline, self._count)
+        if len(reports) < self.world_size or any(s != "ok" for s, _ in reports.values()):
+            self.close()
+        return _verdict(reports, self.world_size, fn, timeout_s)
+
+    def _start(self) -> None:
+        port = find_free_port()
+        self._results = self._context.Queue()
+        self._tasks = [self._context.Queue() for _ in range(self.world_size)]
+        with _environ(
+            {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        ):
+            for rank in range(self.world_size):
+                proc = self._context.Process(
+                    target=_pool_worker,
+                    args=(rank, self.world_size, port, self._tasks[rank], self._results),
+                    name=f"autoparallel-pool-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                self._processes.append(proc)
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force); a later ``run`` starts new ones."""
+        for tasks in self._tasks:
+            tasks.put(None)
+        deadline = time.monotonic() + 5.0
+        for proc in self._processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        _stop(self._processes)
+        for channel in [*self._tasks, self._results]:
+            if channel is not None:
+                channel.close()
+                channel.join_thread()
+        self._processes, self._tasks, self._results = [], [], None
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
