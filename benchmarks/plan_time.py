@@ -13,6 +13,7 @@ communicates (fake process group).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import resource
@@ -111,7 +112,8 @@ def main() -> None:
         autop.add_output_constraints([batch_sharded])
         autop.add_parameter_memory_constraint()
         if args.no_lp_first:
-            autop.sharding_optimizer.options.lp_first = False
+            optimizer = autop.sharding_optimizer
+            optimizer.options = dataclasses.replace(optimizer.options, lp_first=False)
         plan = None if args.build_only else autop.optimize_placement()
         problem = autop.sharding_optimizer.problem
     total = time.perf_counter() - start

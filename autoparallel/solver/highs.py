@@ -42,17 +42,28 @@ class InfeasibleConstraintsError(ValueError):
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class SolverOptions:
+    """How HiGHS solves a Problem. Frozen: a session's options are fixed when it starts.
+
+    Attributes:
+        time_limit_s: wall-clock budget of one solve; on a time-out the best plan found is
+            returned with a warning (``plan.solver.status`` says so).
+        relative_gap: the MIP stops once (objective - bound) / objective is below this.
+        threads: HiGHS threads (1: planning runs beside other work and stays deterministic).
+        lp_first: solve the LP relaxation first and accept it when it comes out integral
+            (a proven optimum without branching); see the module docstring.
+        lp_first_min_variables: below this many variables the MIP is solved directly: it
+            costs little there, and small plans keep the MIP's choice among equal optima.
+        integrality_tolerance: ``|x - round(x)|`` below this on every integer column counts
+            as integral (HiGHS's own ``mip_feasibility_tolerance`` is 1e-6).
+    """
+
     time_limit_s: float = 300.0
     relative_gap: float = 1e-4
     threads: int = 1
     lp_first: bool = True
-    # below this many variables the MIP is solved directly: it costs little there, and small
-    # plans keep the MIP's choice among equally priced optima
     lp_first_min_variables: int = 50_000
-    # |x - round(x)| below this on every integer column counts as integral (HiGHS's own
-    # mip_feasibility_tolerance is 1e-6)
     integrality_tolerance: float = 1e-6
 
 
