@@ -1,7 +1,8 @@
 """autoparallel: plan and apply the parallelization of a PyTorch model automatically."""
 
 from autoparallel.api import AutoParallel, auto_parallel
-from autoparallel.cost.topology import HARDWARE_PRESETS, Hardware, Topology
+from autoparallel.cost.hardware import HARDWARE_PRESETS, Hardware
+from autoparallel.cost.topology import Topology
 from autoparallel.runtime import InputMismatchError
 from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError

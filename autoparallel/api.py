@@ -18,8 +18,9 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autoparallel.cost.hardware import Hardware
 from autoparallel.cost.tables import build_cost_tables
-from autoparallel.cost.topology import Hardware, Topology
+from autoparallel.cost.topology import Topology
 from autoparallel.files.placements import check_compatible, load_placements, save_placements
 from autoparallel.optimizer import ShardingOptimizer
 from autoparallel.runtime.module import apply_placement

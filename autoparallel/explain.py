@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autoparallel.files.plan_json import plan_json
-from autoparallel.report.text import solver_lines, totals_lines
+from autoparallel.cost.topology import Topology
+from autoparallel.files.plan_json import hardware_json, plan_json
+from autoparallel.report.text import hardware_lines, solver_lines, totals_lines
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, placement_str
 from autoparallel.types.plan import NodePlan, Plan
@@ -46,8 +47,9 @@ def format_node(node: NodePlan) -> str:
     )
 
 
-def log_plan(plan: Plan, level: int = logging.INFO) -> None:
-    """Emit the whole plan through Python logging (logger ``autoparallel.plan``)."""
+def log_plan(plan: Plan, level: int = logging.INFO, topology: Topology | None = None) -> None:
+    """Emit the whole plan through Python logging (logger ``autoparallel.plan``), with the
+    hardware figures it was priced on when ``topology`` is given."""
     names = plan.mesh_dim_names or tuple(f"dim{i}" for i in range(len(plan.mesh_shape)))
     mesh = ", ".join(f"{n}={s}" for n, s in zip(names, plan.mesh_shape))
     logger.log(
@@ -56,7 +58,9 @@ def log_plan(plan: Plan, level: int = logging.INFO) -> None:
     for node in plan.nodes.values():
         logger.log(level, "%s", format_node(node))
     data = plan_json(plan)
-    for line in totals_lines(data) + solver_lines(data):
+    if topology is not None:
+        data["hardware"] = hardware_json(topology)
+    for line in hardware_lines(data) + totals_lines(data) + solver_lines(data):
         logger.log(level, "%s", line)
     if plan.fallbacks:
         logger.log(level, "replicated for lack of a strategy: %s", ", ".join(plan.fallbacks))

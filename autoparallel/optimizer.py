@@ -96,14 +96,16 @@ class ShardingOptimizer:
         solution = solve(self.problem, self.options)
         self._solution = solution
         self._plan = build_plan(self.problem, solution, self.mesh_dim_names)
-        log_plan(self._plan, logging.INFO if verbose else logging.DEBUG)
+        log_plan(
+            self._plan, logging.INFO if verbose else logging.DEBUG, self.problem.tables.topology
+        )
         return self._plan
 
     def adopt(self, plan: Plan, verbose: bool = False) -> Plan:
         """Take a plan solved elsewhere (another rank's solve of this same problem)."""
         self._solution = None
         self._plan = plan
-        log_plan(plan, logging.INFO if verbose else logging.DEBUG)
+        log_plan(plan, logging.INFO if verbose else logging.DEBUG, self.problem.tables.topology)
         return plan
 
     # ------------------------------------------------------------------ persistence

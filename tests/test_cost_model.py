@@ -20,15 +20,8 @@ from autoparallel.cost import (
     reduce_scatter_us,
     transition_cost_us,
 )
-from autoparallel.cost.topology import (
-    A100,
-    CPU,
-    H100,
-    HARDWARE_PRESETS,
-    Hardware,
-    Topology,
-    get_hardware,
-)
+from autoparallel.cost.hardware import A100, CPU, H100, HARDWARE_PRESETS, Hardware
+from autoparallel.cost.topology import Topology, get_hardware
 from autoparallel.types.tensors import TensorInfo
 
 aten = torch.ops.aten

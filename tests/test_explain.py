@@ -264,7 +264,14 @@ def test_get_json_of_fsdp_mlp(fake_mesh):
         data = json.loads(json.dumps(optimizer.get_json()))
         assert data["version"] == 1
         assert data["mesh"] == {"shape": [4], "dim_names": None}
-        assert data["hardware"] == {"name": "h100", "gpus_per_node": 4}
+        hardware = data["hardware"]
+        assert (hardware["name"], hardware["source"], hardware["gpus_per_node"]) == (
+            "h100",
+            "preset",
+            4,
+        )
+        assert hardware["flops_bf16"] == 989e12 and hardware["collectives"] == []
+        assert hardware["links"]["intra"] == {"latency_us": 2.0, "bandwidth": 450e9}
         for key in ("total_us", "comm_us", "compute_us", "transition_us"):
             assert data["totals"][key] == pytest.approx(getattr(plan.totals, key))
         assert data["solver"]["status"] == "Optimal"

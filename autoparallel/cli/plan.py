@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autoparallel.cli import saved
+from autoparallel.cli import calibrate, saved
+from autoparallel.cli.common import UsageError, parse_bytes, parse_mesh
 from autoparallel.report.text import summary_lines
 
 __all__ = ["build_parser", "main"]
@@ -37,21 +37,6 @@ BUILTIN_MODELS = LLAMA_PRESETS + ("gpt2",)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """--param-dtype / --reduce-dtype names -> torch dtype attribute names (torch loads lazily)."""
 DEFAULT_MESH_NAMES = ("dp", "tp", "cp", "ep")
-
-_MESH_RE = re.compile(r"^\d+(x\d+)*$")
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1e3,
-    "mb": 1e6,
-    "gb": 1e9,
-    "tb": 1e12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 _PLAN_EPILOG = """\
 models:
@@ -71,10 +56,6 @@ example:
   autoparallel plan --model llama3-8b --mesh 8x8 --mesh-names dp,tp --batch 16 \\
       --seq 8192 --hardware h100 --gpus-per-node 8 --out plan.json --html plan.html
 """
-
-
-class UsageError(Exception):
-    """A bad command-line value, reported as one line with exit status 2."""
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -119,12 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="global batch size (divisible by the first mesh dim)",
     )
     plan.add_argument("--seq", type=int, required=True, help="sequence length")
-    plan.add_argument("--hardware", default="h100", help="hardware preset (default h100)")
+    plan.add_argument(
+        "--hardware",
+        default="h100",
+        help="hardware preset (h100, a100, h200, b200, cpu; default h100) or a profile.json "
+        "written by `autoparallel calibrate`",
+    )
     plan.add_argument(
         "--gpus-per-node",
         type=int,
-        default=8,
-        help="ranks per node, decides inter-node dims (default 8)",
+        default=None,
+        help="ranks per node, decides inter-node dims (default: the profile's, else 8)",
     )
     plan.add_argument(
         "--layers",
@@ -174,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--verbose", action="store_true", help="log every node's decision")
     saved.add_commands(commands)
+    calibrate.add_commands(commands)
     return parser
 
 
@@ -187,7 +174,7 @@ class PlanRequest:
     batch: int
     seq: int
     hardware: str
-    gpus_per_node: int
+    gpus_per_node: int | None
     layers: int | None
     memory_budget: str | float | None  # None: no constraint; "default"; or bytes
     out: Path | None
@@ -213,18 +200,6 @@ class PlanRequest:
         )
 
 
-def parse_mesh(text: str) -> tuple[int, ...]:
-    shape_text = text.strip().lower()
-    if not _MESH_RE.match(shape_text):
-        raise UsageError(
-            f"--mesh {text!r} is not a shape like 8 or 8x8 (positive integers joined by 'x')"
-        )
-    shape = tuple(int(s) for s in shape_text.split("x"))
-    if any(s < 1 for s in shape):
-        raise UsageError(f"--mesh {text!r}: every mesh dimension must be at least 1")
-    return shape
-
-
 def parse_mesh_names(text: str | None, ndim: int) -> tuple[str, ...] | None:
     if text is None:
         return DEFAULT_MESH_NAMES[:ndim] if ndim <= len(DEFAULT_MESH_NAMES) else None
@@ -244,37 +219,43 @@ def parse_memory_budget(text: str) -> str | float | None:
         return None
     if key == "default":
         return "default"
-    match = _BUDGET_RE.match(key)
-    if not match or match.group(2) not in _BYTE_UNITS:
+    return parse_bytes(text, "--memory-budget", "none, default or ")
+
+
+def _hardware(text: str) -> str:
+    """A preset name, or the path of a profile that loads; UsageError otherwise."""
+    from autoparallel.cost.hardware import HARDWARE_PRESETS
+    from autoparallel.cost.profile import ProfileError, load_profile
+
+    if text.strip().endswith(".json"):
+        try:
+            load_profile(text.strip())
+        except ProfileError as error:
+            raise UsageError(f"--hardware: {error}") from error
+        return text.strip()
+    hardware = text.strip().lower()
+    if hardware not in HARDWARE_PRESETS:
         raise UsageError(
-            f"--memory-budget {text!r} is not none, default or a byte count such as 2e9 or 16GiB"
+            f"--hardware {text!r} is not a known preset; choose one of "
+            f"{', '.join(sorted(HARDWARE_PRESETS))}, or give a profile.json from `autoparallel calibrate`"
         )
-    value = float(match.group(1)) * _BYTE_UNITS[match.group(2)]
-    if value <= 0:
-        raise UsageError(f"--memory-budget must be positive, got {text!r}")
-    return value
+    return hardware
 
 
 def validate(args: argparse.Namespace) -> PlanRequest:
     """Check everything that can be checked before building the model; UsageError if wrong."""
-    from autoparallel.cost.topology import HARDWARE_PRESETS
-
     shape = parse_mesh(args.mesh)
     names = parse_mesh_names(args.mesh_names, len(shape))
     for flag, value in (
         ("--batch", args.batch),
         ("--seq", args.seq),
-        ("--gpus-per-node", args.gpus_per_node),
+        ("--gpus-per-node", 1 if args.gpus_per_node is None else args.gpus_per_node),
     ):
         if value < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
     if args.layers is not None and args.layers < 1:
         raise UsageError(f"--layers must be a positive integer, got {args.layers}")
-    hardware = args.hardware.strip().lower()
-    if hardware not in HARDWARE_PRESETS:
-        raise UsageError(
-            f"--hardware {args.hardware!r} is not a known preset; choose one of {', '.join(sorted(HARDWARE_PRESETS))}"
-        )
+    hardware = _hardware(args.hardware)
     if args.batch % shape[0]:
         raise UsageError(
             f"--batch {args.batch} is not divisible by the first mesh dim ({shape[0]}), which shards the batch"
@@ -544,6 +525,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or an argparse error (2, already printed)
         return exc.code if isinstance(exc.code, int) else 2
     try:
+        if args.command == "calibrate":
+            return calibrate.run(args)
         if args.command != "plan":
             return saved.run(args)
         request = validate(args)

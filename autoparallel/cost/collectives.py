@@ -19,37 +19,55 @@ from __future__ import annotations
 
 from autoparallel.cost.topology import Topology
 
-__all__ = ["all_gather_us", "all_reduce_us", "all_to_all_us", "reduce_scatter_us"]
+__all__ = [
+    "all_gather_us",
+    "all_reduce_us",
+    "all_to_all_us",
+    "reduce_scatter_us",
+    "ring_latency_us",
+]
 
 _US_PER_S = 1e6
+# ring sweeps per collective: an all-reduce is a reduce-scatter followed by an all-gather
+_PASSES = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 1}
 
 
-def _ring_us(buffer_bytes: float, mesh_dim: int, topology: Topology, passes: int) -> float:
-    """``passes`` ring sweeps over a buffer of ``buffer_bytes`` (the full, un-sharded size)."""
+def ring_latency_us(mesh_dim: int, topology: Topology, collective: str) -> float:
+    """The fixed part of one ``collective`` along ``mesh_dim``: what a message of 0 bytes
+    costs, paid once per collective call however many tensors share its buffer."""
+    n = topology.mesh_shape[mesh_dim]
+    return (
+        _PASSES[collective] * (n - 1) * topology.latency_us(mesh_dim, collective) if n > 1 else 0.0
+    )
+
+
+def _ring_us(buffer_bytes: float, mesh_dim: int, topology: Topology, collective: str) -> float:
+    """Ring sweeps over a buffer of ``buffer_bytes`` (the full, un-sharded size), priced on
+    the profile's fit of ``collective`` where it has one."""
     n = topology.mesh_shape[mesh_dim]
     if n == 1:
         return 0.0
-    steps = passes * (n - 1)
-    latency = steps * topology.latency_us(mesh_dim)
-    transfer = passes * (n - 1) / n * max(float(buffer_bytes), 0.0) / topology.bandwidth(mesh_dim)
-    return latency + transfer * _US_PER_S
+    passes = _PASSES[collective]
+    bandwidth = topology.bandwidth(mesh_dim, collective)
+    transfer = passes * (n - 1) / n * max(float(buffer_bytes), 0.0) / bandwidth
+    return ring_latency_us(mesh_dim, topology, collective) + transfer * _US_PER_S
 
 
 def all_gather_us(output_bytes: float, mesh_dim: int, topology: Topology) -> float:
     """All-gather whose *gathered* (output) buffer is ``output_bytes`` per rank."""
-    return _ring_us(output_bytes, mesh_dim, topology, passes=1)
+    return _ring_us(output_bytes, mesh_dim, topology, "all_gather")
 
 
 def reduce_scatter_us(input_bytes: float, mesh_dim: int, topology: Topology) -> float:
     """Reduce-scatter whose *unscattered* (input) buffer is ``input_bytes`` per rank."""
-    return _ring_us(input_bytes, mesh_dim, topology, passes=1)
+    return _ring_us(input_bytes, mesh_dim, topology, "reduce_scatter")
 
 
 def all_reduce_us(nbytes: float, mesh_dim: int, topology: Topology) -> float:
     """Ring all-reduce of an ``nbytes`` buffer: a reduce-scatter then an all-gather."""
-    return _ring_us(nbytes, mesh_dim, topology, passes=2)
+    return _ring_us(nbytes, mesh_dim, topology, "all_reduce")
 
 
 def all_to_all_us(nbytes: float, mesh_dim: int, topology: Topology) -> float:
     """All-to-all where each rank holds (and ends with) ``nbytes`` locally."""
-    return _ring_us(nbytes, mesh_dim, topology, passes=1)
+    return _ring_us(nbytes, mesh_dim, topology, "all_to_all")

@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from autoparallel.cost.topology import Hardware
+from autoparallel.cost.hardware import Hardware
 from autoparallel.trace.view_ops import is_view_op as is_free_op
 from autoparallel.types.tensors import TensorInfo
 

@@ -43,6 +43,7 @@ from autoparallel.cost.collectives import (
     all_to_all_us,
     reduce_scatter_us,
 )
+from autoparallel.cost.hardware import COLLECTIVES
 from autoparallel.cost.routes import MAX_ROUTE_STATES, RouteTable
 from autoparallel.cost.topology import Topology
 from autoparallel.types.placements import is_multi
@@ -228,9 +229,17 @@ class PairPricer:
         self._prices: dict[tuple, tuple[float, float]] = {}
         self._routes: RouteTable | None | bool = False  # False: not built yet
         self._states: dict[object, int | None] = {}
-        # per mesh dim: (size, latency us, bytes per us) exactly as collectives._ring_us reads them
+        # per mesh dim and collective: (size, latency us, bytes per s) exactly as
+        # collectives._ring_us reads them
         self._links = [
-            (n, topology.latency_us(d) if n > 1 else 0.0, topology.bandwidth(d) if n > 1 else 1.0)
+            {
+                kind: (
+                    n,
+                    topology.latency_us(d, kind) if n > 1 else 0.0,
+                    topology.bandwidth(d, kind) if n > 1 else 1.0,
+                )
+                for kind in COLLECTIVES
+            }
             for d, n in enumerate(self.mesh_shape)
         ]
 
@@ -425,7 +434,7 @@ class PairPricer:
     def _step_us(self, kind: str, before: float, after: float, mesh_dim: int) -> float:
         if kind in ("slice", "zero"):
             return 0.0
-        n, latency, bandwidth = self._links[mesh_dim]
+        n, latency, bandwidth = self._links[mesh_dim][kind]
         if n == 1:
             return 0.0
         passes = 2 if kind == "all_reduce" else 1

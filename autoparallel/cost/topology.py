@@ -1,9 +1,10 @@
-"""Hardware presets and the mapping from device-mesh dimensions to physical links.
+"""The mapping from device-mesh dimensions to physical links, on a given ``Hardware``.
 
 The cost model needs two facts that a ``DeviceMesh`` does not carry: how fast one device
-computes and moves memory (``Hardware``), and which mesh dimensions talk over NVLink versus
-the network (``Topology``). Both are plain frozen dataclasses so they can be hashed, cached
-and compared, and so a plan can record exactly which machine it was priced for.
+computes and moves memory (``Hardware``, in ``cost/hardware.py``: a preset or a calibrated
+profile), and which mesh dimensions talk over NVLink versus the network (``Topology``). Both
+are plain frozen dataclasses so they can be hashed, cached and compared, and so a plan can
+record exactly which machine it was priced for.
 """
 
 from __future__ import annotations
@@ -11,157 +12,27 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
-
-import torch
 
 if TYPE_CHECKING:  # DeviceMesh pulls in torch.distributed; only needed for annotations.
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = [
-    "A100",
-    "B200",
-    "CPU",
-    "H100",
-    "H200",
-    "HARDWARE_PRESETS",
-    "Hardware",
-    "Topology",
-    "get_hardware",
-]
+from autoparallel.cost.hardware import H100, HARDWARE_PRESETS, Hardware
+from autoparallel.cost.profile import load_profile
 
-_HALF_DTYPES = frozenset({torch.bfloat16, torch.float16})
-_FP8_DTYPES = frozenset(
-    getattr(torch, name)
-    for name in (
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-    )
-    if hasattr(torch, name)
-)
+__all__ = ["Topology", "get_hardware"]
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """Per-device throughput figures, all in SI units (FLOP/s, bytes/s, bytes, us).
-
-    Figures are *dense* peaks from public datasheets; the cost model divides by them, so
-    they are optimistic by design and matter mostly in ratio (compute vs. link speeds).
-    ``supports_fp8`` says whether fp8 math runs on tensor cores at twice the bf16 rate;
-    without it fp8 is priced as bf16 (the kernel upcasts).
-    """
-
-    name: str
-    flops_fp32: float
-    flops_bf16: float
-    memory_bandwidth: float
-    intra_node_bandwidth: float
-    inter_node_bandwidth: float
-    intra_node_latency_us: float
-    inter_node_latency_us: float
-    kernel_launch_us: float
-    memory_bytes: float
-    supports_fp8: bool = True
-
-    def peak_flops(self, dtype: torch.dtype | None) -> float:
-        """Peak dense FLOP/s for math in ``dtype`` (fp32 rate for anything unrecognised)."""
-        if dtype in _HALF_DTYPES:
-            return self.flops_bf16
-        if dtype in _FP8_DTYPES:
-            return 2.0 * self.flops_bf16 if self.supports_fp8 else self.flops_bf16
-        return self.flops_fp32
-
-
-_GB = 1e9
-
-# H100 SXM5 80GB: 67 TF fp32 (non-tensor), 989 TF dense bf16, 3.35 TB/s HBM3,
-# NVLink4 900 GB/s bidirectional (450 GB/s per direction), 400 Gb/s NIC per GPU.
-H100 = Hardware(
-    name="h100",
-    flops_fp32=67e12,
-    flops_bf16=989e12,
-    memory_bandwidth=3.35e12,
-    intra_node_bandwidth=450 * _GB,
-    inter_node_bandwidth=50 * _GB,
-    intra_node_latency_us=2.0,
-    inter_node_latency_us=6.0,
-    kernel_launch_us=3.0,
-    memory_bytes=80 * _GB,
-)
-
-# A100 SXM4 80GB: 19.5 TF fp32, 312 TF bf16, 2.04 TB/s HBM2e, NVLink3 600 GB/s
-# bidirectional, 200 Gb/s HDR NIC per GPU; no fp8 tensor cores.
-A100 = Hardware(
-    name="a100",
-    flops_fp32=19.5e12,
-    flops_bf16=312e12,
-    memory_bandwidth=2.039e12,
-    intra_node_bandwidth=300 * _GB,
-    inter_node_bandwidth=25 * _GB,
-    intra_node_latency_us=2.5,
-    inter_node_latency_us=8.0,
-    kernel_launch_us=4.0,
-    memory_bytes=80 * _GB,
-    supports_fp8=False,
-)
-
-# H200 SXM: H100 compute with 141 GB HBM3e at 4.8 TB/s.
-H200 = Hardware(
-    name="h200",
-    flops_fp32=67e12,
-    flops_bf16=989e12,
-    memory_bandwidth=4.8e12,
-    intra_node_bandwidth=450 * _GB,
-    inter_node_bandwidth=50 * _GB,
-    intra_node_latency_us=2.0,
-    inter_node_latency_us=6.0,
-    kernel_launch_us=3.0,
-    memory_bytes=141 * _GB,
-)
-
-# B200 (HGX): ~80 TF fp32, 2.25 PF dense bf16, 8 TB/s HBM3e, 180 GB, NVLink5 1.8 TB/s
-# bidirectional, 400 Gb/s NIC per GPU.
-B200 = Hardware(
-    name="b200",
-    flops_fp32=80e12,
-    flops_bf16=2.25e15,
-    memory_bandwidth=8e12,
-    intra_node_bandwidth=900 * _GB,
-    inter_node_bandwidth=50 * _GB,
-    intra_node_latency_us=2.0,
-    inter_node_latency_us=6.0,
-    kernel_launch_us=3.0,
-    memory_bytes=180 * _GB,
-)
-
-# A generic multi-core server CPU running gloo: rough figures, meant for tests and dry
-# runs where only the relative ordering of plans matters.
-CPU = Hardware(
-    name="cpu",
-    flops_fp32=1e12,
-    flops_bf16=1e12,
-    memory_bandwidth=100 * _GB,
-    intra_node_bandwidth=20 * _GB,
-    inter_node_bandwidth=1.25 * _GB,
-    intra_node_latency_us=20.0,
-    inter_node_latency_us=100.0,
-    kernel_launch_us=5.0,
-    memory_bytes=64 * _GB,
-    supports_fp8=False,
-)
-
-HARDWARE_PRESETS: dict[str, Hardware] = {hw.name: hw for hw in (H100, A100, H200, B200, CPU)}
-
-
-def get_hardware(hardware: str | Hardware | None) -> Hardware:
-    """Resolve a preset name (case-insensitive), pass a ``Hardware`` through, ``None`` -> H100."""
+def get_hardware(hardware: str | Path | Hardware | None) -> Hardware:
+    """Resolve a preset name (case-insensitive) or a profile file (``*.json``, written by
+    ``autoparallel calibrate``), pass a ``Hardware`` through, ``None`` -> H100."""
     if hardware is None:
         return H100
     if isinstance(hardware, Hardware):
         return hardware
+    if isinstance(hardware, Path) or (isinstance(hardware, str) and hardware.endswith(".json")):
+        return load_profile(hardware)
     if isinstance(hardware, str):
         key = hardware.strip().lower()
         if key in HARDWARE_PRESETS:
@@ -169,7 +40,7 @@ def get_hardware(hardware: str | Hardware | None) -> Hardware:
         choices = ", ".join(sorted(HARDWARE_PRESETS))
         raise ValueError(
             f"unknown hardware preset {hardware!r}; choose one of: {choices} "
-            "(or pass a Hardware instance)"
+            "(or a profile.json from `autoparallel calibrate`, or a Hardware instance)"
         )
     raise TypeError(
         f"hardware must be a preset name, a Hardware or None, got {type(hardware).__name__}"
@@ -259,14 +130,26 @@ class Topology:
         """True when collectives along ``mesh_dim`` cross the network (size-1 dims never do)."""
         return self._inter[self._check_dim(mesh_dim)]
 
-    def bandwidth(self, mesh_dim: int) -> float:
-        """Per-GPU one-direction bandwidth (bytes/s) of the slowest link used along ``mesh_dim``."""
+    def link(self, mesh_dim: int) -> str:
+        """The link class collectives along ``mesh_dim`` use: "inter" (node) or "intra"."""
+        return "inter" if self.is_inter_node(mesh_dim) else "intra"
+
+    def bandwidth(self, mesh_dim: int, collective: str | None = None) -> float:
+        """Per-device one-direction bandwidth (bytes/s) along ``mesh_dim``: the profile's fit
+        of ``collective`` when it has one, else the slowest link's figure."""
         hw = self.hardware
+        fit = hw.collective_fit(self.link(mesh_dim), collective) if collective else None
+        if fit is not None:
+            return fit.bandwidth
         return hw.inter_node_bandwidth if self.is_inter_node(mesh_dim) else hw.intra_node_bandwidth
 
-    def latency_us(self, mesh_dim: int) -> float:
-        """Per-message latency (us) of the link used along ``mesh_dim``."""
+    def latency_us(self, mesh_dim: int, collective: str | None = None) -> float:
+        """Latency (us) of one step along ``mesh_dim``: the profile's fit of ``collective``
+        when it has one, else the link's figure."""
         hw = self.hardware
+        fit = hw.collective_fit(self.link(mesh_dim), collective) if collective else None
+        if fit is not None:
+            return fit.latency_us
         return (
             hw.inter_node_latency_us if self.is_inter_node(mesh_dim) else hw.intra_node_latency_us
         )
@@ -275,11 +158,13 @@ class Topology:
     def from_mesh(
         cls,
         mesh: DeviceMesh,
-        hardware: str | Hardware | None = None,
+        hardware: str | Path | Hardware | None = None,
         gpus_per_node: int | None = None,
     ) -> Topology:
-        """Build from a ``DeviceMesh``; ``gpus_per_node=None`` means ``min(8, world size)``."""
+        """Build from a ``DeviceMesh``; ``gpus_per_node=None`` means the profile's ranks per
+        node where it has one, else ``min(8, world size)``."""
         shape = tuple(int(s) for s in mesh.shape)
+        resolved = get_hardware(hardware)
         if gpus_per_node is None:
-            gpus_per_node = min(8, math.prod(shape)) if shape else 8
-        return cls(shape, get_hardware(hardware), gpus_per_node)
+            gpus_per_node = resolved.devices_per_node or (min(8, math.prod(shape)) if shape else 8)
+        return cls(shape, resolved, gpus_per_node)

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from autoparallel.cost.topology import Topology
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi, placement_str
 from autoparallel.types.plan import ArgumentCost, NodePlan, Plan
@@ -50,6 +51,7 @@ __all__ = [
     "PlanJsonError",
     "collective_kind",
     "get_json",
+    "hardware_json",
     "module_of_parameter",
     "node_modules",
     "owner_of_parameter",
@@ -384,6 +386,41 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     }
 
 
+def hardware_json(topology: Topology) -> dict[str, Any]:
+    """The figures the plan was priced with: where they come from, the device, each link."""
+    hw = topology.hardware
+    return {
+        "name": hw.name,
+        "source": hw.source,
+        "gpus_per_node": topology.gpus_per_node,
+        "flops_fp32": _num(hw.flops_fp32),
+        "flops_bf16": _num(hw.flops_bf16),
+        "memory_bandwidth": _num(hw.memory_bandwidth),
+        "kernel_launch_us": _num(hw.kernel_launch_us),
+        "memory_bytes": _num(hw.memory_bytes),
+        "links": {
+            "intra": {
+                "latency_us": _num(hw.intra_node_latency_us),
+                "bandwidth": _num(hw.intra_node_bandwidth),
+            },
+            "inter": {
+                "latency_us": _num(hw.inter_node_latency_us),
+                "bandwidth": _num(hw.inter_node_bandwidth),
+            },
+        },
+        "collectives": [
+            {
+                "link": fit.link,
+                "collective": fit.collective,
+                "latency_us": _num(fit.latency_us),
+                "bandwidth": _num(fit.bandwidth),
+                "max_error": _num(fit.max_error),
+            }
+            for fit in hw.collectives
+        ],
+    }
+
+
 def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
     """The plan as JSON-serializable data, schema version 1 (see the module docstring).
 
@@ -399,7 +436,7 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
     return {
         "version": data["version"],
         "mesh": data["mesh"],
-        "hardware": {"name": topology.hardware.name, "gpus_per_node": topology.gpus_per_node},
+        "hardware": hardware_json(topology),
         "totals": data["totals"],
         "solver": data["solver"],
         "parameters": _parameters(problem, plan),

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autoparallel.cost.profile import hardware_from_dict, hardware_to_dict
 from autoparallel.cost.redistribution import PairPricer
-from autoparallel.cost.topology import Hardware, Topology
+from autoparallel.cost.topology import Topology
 from autoparallel.files.placements import PlacementFileError
 from autoparallel.types.costs import CostTables, EdgeCost, EdgeRoutes
 from autoparallel.types.graph import JointGraph
@@ -65,7 +66,7 @@ def save_problem(
         "version": VERSION,
         "mesh_shape": list(space.mesh_shape),
         "mesh_dim_names": list(mesh_dim_names) if mesh_dim_names else None,
-        "hardware": dataclasses.asdict(topology.hardware),
+        "hardware": hardware_to_dict(topology.hardware),
         "gpus_per_node": topology.gpus_per_node,
         "strategy_lists": registry.strategy_lists,
         "compute_lists": registry.compute_lists,
@@ -256,7 +257,7 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
         start, count = record["columns"]
         node_columns[node] = np.arange(start, start + count, dtype=np.int64)
 
-    hardware = Hardware(**meta["hardware"])
+    hardware = hardware_from_dict(meta["hardware"])
     topology = Topology(tuple(meta["mesh_shape"]), hardware, meta["gpus_per_node"])
     pricers: dict[TensorInfo, PairPricer] = {}
     pair_tables = [[tuple(p) for p in table] for table in meta["pair_tables"]]

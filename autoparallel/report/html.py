@@ -29,6 +29,7 @@ from typing import Any
 
 from autoparallel.report import template as t
 from autoparallel.report.template import embed_json, format_bytes, json_safe, placement_html
+from autoparallel.report.text import hardware_lines
 
 __all__ = ["embed_json", "format_bytes", "json_safe", "placement_html", "render_html", "write_html"]
 
@@ -99,6 +100,7 @@ def _header(data: Mapping[str, Any]) -> str:
             f"{hardware.get('name', '-')}, {hardware.get('gpus_per_node', '-')} GPUs per node",
         ),
     ]
+    facts += [("priced on", line) for line in hardware_lines(data)]
     run = data.get("run") or {}
     if isinstance(run, Mapping):
         if run.get("layers") is not None:

@@ -23,6 +23,7 @@ __all__ = [
     "PlanDiff",
     "collapse_layers",
     "diff_plan_json",
+    "hardware_lines",
     "parameter_lines",
     "solver_lines",
     "summary_lines",
@@ -111,7 +112,56 @@ def _header_lines(data: Mapping[str, Any]) -> list[str]:
     ]
     if "memory_budget" in run:  # a plan made by `autoparallel plan` (not a saved problem's JSON)
         lines.append(f"memory budget: {run['memory_budget']}")
+    return lines + hardware_lines(data)
+
+
+def hardware_lines(data: Mapping[str, Any]) -> list[str]:
+    """What the plan's prices were computed from: the preset or profile and its figures."""
+    hw = data.get("hardware") or {}
+    if "flops_fp32" not in hw:  # a JSON from before the figures were recorded
+        return []
+    source = hw.get("source") or "preset"
+    origin = "preset" if source == "preset" else f"profile {source}"
+    lines = [
+        f"priced on {hw.get('name', '-')} ({origin}): matmul fp32 {_rate(hw.get('flops_fp32'), 'FLOP/s')}, "
+        f"bf16 {_rate(hw.get('flops_bf16'), 'FLOP/s')}, memory {_rate(hw.get('memory_bandwidth'), 'B/s')}, "
+        f"{_fmt_us(hw.get('kernel_launch_us'))} per op"
+    ]
+    fits = [f for f in hw.get("collectives") or [] if isinstance(f, Mapping)]
+    if fits:
+        lines.append(
+            "collectives (latency per ring step + bandwidth, largest fit error): "
+            + "; ".join(
+                f"{f.get('collective')} {f.get('link')} {_fmt_us(f.get('latency_us'))} + "
+                f"{_rate(f.get('bandwidth'), 'B/s')} ({_percent(f.get('max_error'))})"
+                for f in fits
+            )
+        )
+    else:
+        links = hw.get("links") or {}
+        lines.append(
+            "links (latency per ring step + bandwidth): "
+            + "; ".join(
+                f"{name} {_fmt_us((link or {}).get('latency_us'))} + {_rate((link or {}).get('bandwidth'), 'B/s')}"
+                for name, link in links.items()
+            )
+        )
     return lines
+
+
+def _rate(value: Any, unit: str) -> str:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "-"
+    if value >= 1e18:  # a fit with no bandwidth term (latency-bound at every size measured)
+        return f"unbounded {unit}"
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _percent(value: Any) -> str:
+    return f"{100 * value:.0f}%" if isinstance(value, (int, float)) else "-"
 
 
 def parameter_lines(data: Mapping[str, Any]) -> list[str]:

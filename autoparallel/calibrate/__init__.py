@@ -1,0 +1,8 @@
+"""Measuring the cluster the planner prices: ``autoparallel calibrate`` -> a hardware profile.
+
+``measure.py`` times collectives per mesh dim and the device's matmul, memory bandwidth and
+per-op cost, on the ranks of a live process group; ``fit.py`` turns the timings into the
+``Hardware`` figures (one latency-bandwidth fit per collective and link class);
+``run.py`` runs both on a launched group (torchrun) or on N spawned gloo ranks and writes the
+profile (``cost/profile.py``).
+"""

@@ -1,0 +1,279 @@
+"""Run a calibration: on a launched process group (torchrun) or on N spawned local gloo ranks.
+
+Order of work, on every rank together: per mesh dim and collective, each message size from
+``min_bytes`` to ``max_bytes`` (x4 apart); then the device (matmul per dtype and size, memory
+bandwidth, per-op cost). Rank 0 prints one progress line per measurement and the fits with
+their largest relative error. The result is one ``Hardware`` whose link figures are the
+all-reduce fits (the generic figures a preset would have) and whose ``collectives`` hold every
+fit; ``cost/profile.py`` writes it with the raw timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from autoparallel.calibrate import measure
+from autoparallel.calibrate.fit import CollectiveSample, fit_collective
+from autoparallel.cost.hardware import COLLECTIVES, CPU, CollectiveFit, Hardware
+from autoparallel.cost.profile import write_profile
+from autoparallel.cost.topology import Topology
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What to measure.
+
+    Attributes:
+        mesh_shape: the mesh whose dims are measured (row-major ranks, as init_device_mesh);
+            None: one dim over every rank.
+        min_bytes / max_bytes: the smallest and largest collective buffer (sizes x4 apart).
+        repeats: timed calls per figure at the least, after one warm-up call.
+        rounds: passes over every (collective, size); the median over passes counts.
+        matmul_sizes: square matmul sizes timed per dtype (the largest gives the FLOP/s).
+        memory_probe_bytes: buffer size of the memory-bandwidth probe.
+        name: the profile's hardware name (default: ``<device>-<backend>-<host>``).
+    """
+
+    mesh_shape: tuple[int, ...] | None = None
+    min_bytes: int = 1 * KIB
+    max_bytes: int = 64 * MIB
+    repeats: int = 5
+    rounds: int = 3
+    matmul_sizes: tuple[int, ...] = (256, 512, 1024)
+    memory_probe_bytes: int = 64 * MIB
+    name: str | None = None
+
+    def sizes(self) -> list[int]:
+        sizes, size = [], self.min_bytes
+        while size <= self.max_bytes:
+            sizes.append(size)
+            size *= 4
+        return sizes
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a calibration found: the Hardware, where it was measured, and the raw timings."""
+
+    hardware: Hardware
+    measured_on: dict[str, Any]
+    samples: list[dict[str, Any]]
+
+    def write(self, path: str | Path) -> None:
+        write_profile(self.hardware, path, self.measured_on, self.samples)
+
+
+def calibrate_group(
+    settings: CalibrationSettings, log: Callable[[str], None] = print
+) -> Calibration:
+    """Calibrate on the default process group, which every rank must have joined; every rank
+    calls this and gets the same result (rank 0 logs)."""
+    world = dist.get_world_size()
+    mesh_shape = settings.mesh_shape or (world,)
+    if math.prod(mesh_shape) != world:
+        raise ValueError(
+            f"mesh {mesh_shape} has {math.prod(mesh_shape)} ranks; the group has {world}"
+        )
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    device = (
+        torch.device(device_type, torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
+    say = log if dist.get_rank() == 0 else (lambda _: None)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    mesh = init_device_mesh(device_type, mesh_shape)
+    topology = Topology(mesh_shape, CPU, per_node)
+    samples: list[dict[str, Any]] = []
+    fits = _fit_links(_time_collectives(mesh, topology, settings, say, samples), say)
+    device_figures = _time_device(device, settings, say, samples)
+    hardware = _hardware(settings, device, fits, device_figures, per_node)
+    measured_on = {
+        "backend": dist.get_backend(),
+        "world_size": world,
+        "mesh_shape": list(mesh_shape),
+        "devices_per_node": per_node,
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "threads_per_rank": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return Calibration(hardware, measured_on, samples)
+
+
+def _time_collectives(
+    mesh: Any,
+    topology: Topology,
+    settings: CalibrationSettings,
+    say: Callable[[str], None],
+    samples: list,
+) -> dict[str, list[CollectiveSample]]:
+    """Timings per link class ("intra"/"inter"), over every mesh dim of that class.
+
+    Every (collective, size) is timed once per round and the median over rounds counts:
+    a busy host's slow spells (seconds long) then spread over all sizes instead of bending
+    the fit at the few sizes they happened to hit.
+    """
+    by_link: dict[str, list[CollectiveSample]] = {}
+    for mesh_dim, ranks in enumerate(topology.mesh_shape):
+        if ranks == 1:
+            continue
+        link = topology.link(mesh_dim)
+        for collective in COLLECTIVES:
+            rounds = [
+                [
+                    measure.time_collective(collective, nbytes, mesh, mesh_dim, settings.repeats)
+                    for nbytes in settings.sizes()
+                ]
+                for _ in range(settings.rounds)
+            ]
+            for timings in zip(*rounds):
+                sample = dataclasses.replace(
+                    timings[0], time_us=statistics.median(t.time_us for t in timings)
+                )
+                by_link.setdefault(link, []).append(sample)
+                samples.append(
+                    {
+                        "what": collective,
+                        "mesh_dim": mesh_dim,
+                        "link": link,
+                        **dataclasses.asdict(sample),
+                        "rounds_us": [t.time_us for t in timings],
+                    }
+                )
+                say(
+                    f"[calibrate] {collective:<14} mesh dim {mesh_dim} ({link}, {ranks} ranks) "
+                    f"{_bytes(sample.nbytes):>9}: {sample.time_us:12.1f} us "
+                    f"(rounds: {', '.join(f'{t.time_us:.0f}' for t in timings)})"
+                )
+    return by_link
+
+
+def _fit_links(
+    by_link: dict[str, list[CollectiveSample]], say: Callable[[str], None]
+) -> list[CollectiveFit]:
+    fits = []
+    for link, link_samples in by_link.items():
+        for collective in COLLECTIVES:
+            fit = fit_collective(
+                link, collective, [s for s in link_samples if s.collective == collective]
+            )
+            fits.append(fit)
+            say(
+                f"[calibrate] fit {collective:<14} {link}: {fit.latency_us:9.1f} us per ring step, "
+                f"{fit.bandwidth / 1e9:8.3f} GB/s; largest error {100 * fit.max_error:.0f}%"
+            )
+    return fits
+
+
+def _time_device(
+    device: torch.device, settings: CalibrationSettings, say: Callable[[str], None], samples: list
+) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    for dtype, key in ((torch.float32, "flops_fp32"), (torch.bfloat16, "flops_bf16")):
+        for size in settings.matmul_sizes:
+            flops = measure.matmul_flops(dtype, size, settings.repeats, device)
+            samples.append(
+                {
+                    "what": "matmul",
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "size": size,
+                    "flops": flops,
+                }
+            )
+            say(
+                f"[calibrate] matmul {str(dtype).removeprefix('torch.'):<8} {size:>5}^3: {flops / 1e9:10.2f} GFLOP/s"
+            )
+        figures[key] = flops  # the largest size: closest to what big matmuls reach
+    bandwidth = measure.memory_bandwidth(settings.memory_probe_bytes, settings.repeats, device)
+    samples.append(
+        {"what": "memory_bandwidth", "nbytes": settings.memory_probe_bytes, "bandwidth": bandwidth}
+    )
+    say(
+        f"[calibrate] memory bandwidth ({_bytes(settings.memory_probe_bytes)} add): {bandwidth / 1e9:.2f} GB/s"
+    )
+    overhead = measure.op_overhead_us(settings.repeats, device)
+    samples.append({"what": "op_overhead", "time_us": overhead})
+    say(f"[calibrate] fixed cost per op (traced local graph): {overhead:.2f} us")
+    figures["memory_bandwidth"], figures["kernel_launch_us"] = bandwidth, overhead
+    return figures
+
+
+def _hardware(
+    settings: CalibrationSettings,
+    device: torch.device,
+    fits: list[CollectiveFit],
+    figures: dict[str, float],
+    per_node: int,
+) -> Hardware:
+    by_link = {(f.link, f.collective): f for f in fits}
+    intra = by_link.get(("intra", "all_reduce")) or by_link.get(("inter", "all_reduce"))
+    inter = by_link.get(("inter", "all_reduce")) or intra
+    if device.type == "cuda":
+        memory = float(torch.cuda.get_device_properties(device).total_memory)
+        fp8 = torch.cuda.get_device_capability(device) >= (8, 9)
+    else:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / per_node
+        fp8 = False
+    name = settings.name or f"{device.type}-{dist.get_backend()}-{platform.node() or 'host'}"
+    return Hardware(
+        name=name,
+        flops_fp32=figures["flops_fp32"],
+        flops_bf16=figures["flops_bf16"],
+        memory_bandwidth=figures["memory_bandwidth"],
+        intra_node_bandwidth=intra.bandwidth if intra else CPU.intra_node_bandwidth,
+        inter_node_bandwidth=inter.bandwidth if inter else CPU.inter_node_bandwidth,
+        intra_node_latency_us=intra.latency_us if intra else CPU.intra_node_latency_us,
+        inter_node_latency_us=inter.latency_us if inter else CPU.inter_node_latency_us,
+        kernel_launch_us=figures["kernel_launch_us"],
+        memory_bytes=memory,
+        supports_fp8=fp8,
+        collectives=tuple(fits),
+        devices_per_node=per_node,
+    )
+
+
+def _bytes(nbytes: float) -> str:
+    for unit, size in (("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= size:
+            return f"{nbytes / size:.0f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+# ---------------------------------------------------------------------------- local ranks
+
+
+def _calibrate_rank(
+    rank: int, world_size: int, settings: CalibrationSettings
+) -> Calibration | None:
+    result = calibrate_group(settings, log=lambda line: print(line, flush=True))
+    return result if rank == 0 else None
+
+
+def calibrate_local(
+    nproc: int, settings: CalibrationSettings, timeout_s: float = 3600
+) -> Calibration:
+    """Calibrate on ``nproc`` gloo ranks spawned on this machine (one thread each)."""
+    from autoparallel._testing.harness import run_distributed
+
+    return run_distributed(_calibrate_rank, nproc, settings, timeout_s=timeout_s)[0]

@@ -1,0 +1,186 @@
+"""What one device and its links can do: the ``Hardware`` figures the cost model divides by.
+
+Two sources: the presets below (public datasheet peaks, so optimistic by design and meant
+for planning a cluster you do not have at hand), and profiles measured on a real cluster by
+``autoparallel calibrate`` (``cost/profile.py`` reads them), which also carry one fitted
+latency and bandwidth per collective and link class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "A100",
+    "B200",
+    "COLLECTIVES",
+    "CPU",
+    "H100",
+    "H200",
+    "HARDWARE_PRESETS",
+    "LINKS",
+    "CollectiveFit",
+    "Hardware",
+]
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+LINKS = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """A measured alpha-beta model of one collective over one link class.
+
+    ``latency_us`` is the cost of one ring step and ``bandwidth`` the bytes/s one rank pushes
+    over its link, in the ring model of ``cost/collectives.py`` (so a fit from a group of 2
+    ranks predicts a group of 8 the way the datasheet figures do). ``max_error`` is the largest
+    relative error of the fit over the sizes measured (0.1: within 10 %).
+    """
+
+    link: str  # "intra" or "inter" (node)
+    collective: str  # one of COLLECTIVES
+    latency_us: float
+    bandwidth: float
+    max_error: float = 0.0
+
+
+_HALF_DTYPES = frozenset({torch.bfloat16, torch.float16})
+_FP8_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-device throughput figures, all in SI units (FLOP/s, bytes/s, bytes, us).
+
+    Figures are *dense* peaks from public datasheets; the cost model divides by them, so
+    they are optimistic by design and matter mostly in ratio (compute vs. link speeds).
+    ``supports_fp8`` says whether fp8 math runs on tensor cores at twice the bf16 rate;
+    without it fp8 is priced as bf16 (the kernel upcasts).
+    """
+
+    name: str
+    flops_fp32: float
+    flops_bf16: float
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency_us: float
+    inter_node_latency_us: float
+    kernel_launch_us: float
+    memory_bytes: float
+    supports_fp8: bool = True
+    # measured per collective and link class (a calibrated profile); empty for presets, whose
+    # link figures above serve every collective
+    collectives: tuple[CollectiveFit, ...] = ()
+    # ranks per node where the profile was measured (used when the user gives none)
+    devices_per_node: int | None = None
+    # "preset", or the profile file the figures were read from
+    source: str = "preset"
+
+    def collective_fit(self, link: str, collective: str) -> CollectiveFit | None:
+        """The measured fit of ``collective`` over ``link``, if the profile has one."""
+        for fit in self.collectives:
+            if fit.link == link and fit.collective == collective:
+                return fit
+        return None
+
+    def peak_flops(self, dtype: torch.dtype | None) -> float:
+        """Peak dense FLOP/s for math in ``dtype`` (fp32 rate for anything unrecognised)."""
+        if dtype in _HALF_DTYPES:
+            return self.flops_bf16
+        if dtype in _FP8_DTYPES:
+            return 2.0 * self.flops_bf16 if self.supports_fp8 else self.flops_bf16
+        return self.flops_fp32
+
+
+_GB = 1e9
+
+# H100 SXM5 80GB: 67 TF fp32 (non-tensor), 989 TF dense bf16, 3.35 TB/s HBM3,
+# NVLink4 900 GB/s bidirectional (450 GB/s per direction), 400 Gb/s NIC per GPU.
+H100 = Hardware(
+    name="h100",
+    flops_fp32=67e12,
+    flops_bf16=989e12,
+    memory_bandwidth=3.35e12,
+    intra_node_bandwidth=450 * _GB,
+    inter_node_bandwidth=50 * _GB,
+    intra_node_latency_us=2.0,
+    inter_node_latency_us=6.0,
+    kernel_launch_us=3.0,
+    memory_bytes=80 * _GB,
+)
+
+# A100 SXM4 80GB: 19.5 TF fp32, 312 TF bf16, 2.04 TB/s HBM2e, NVLink3 600 GB/s
+# bidirectional, 200 Gb/s HDR NIC per GPU; no fp8 tensor cores.
+A100 = Hardware(
+    name="a100",
+    flops_fp32=19.5e12,
+    flops_bf16=312e12,
+    memory_bandwidth=2.039e12,
+    intra_node_bandwidth=300 * _GB,
+    inter_node_bandwidth=25 * _GB,
+    intra_node_latency_us=2.5,
+    inter_node_latency_us=8.0,
+    kernel_launch_us=4.0,
+    memory_bytes=80 * _GB,
+    supports_fp8=False,
+)
+
+# H200 SXM: H100 compute with 141 GB HBM3e at 4.8 TB/s.
+H200 = Hardware(
+    name="h200",
+    flops_fp32=67e12,
+    flops_bf16=989e12,
+    memory_bandwidth=4.8e12,
+    intra_node_bandwidth=450 * _GB,
+    inter_node_bandwidth=50 * _GB,
+    intra_node_latency_us=2.0,
+    inter_node_latency_us=6.0,
+    kernel_launch_us=3.0,
+    memory_bytes=141 * _GB,
+)
+
+# B200 (HGX): ~80 TF fp32, 2.25 PF dense bf16, 8 TB/s HBM3e, 180 GB, NVLink5 1.8 TB/s
+# bidirectional, 400 Gb/s NIC per GPU.
+B200 = Hardware(
+    name="b200",
+    flops_fp32=80e12,
+    flops_bf16=2.25e15,
+    memory_bandwidth=8e12,
+    intra_node_bandwidth=900 * _GB,
+    inter_node_bandwidth=50 * _GB,
+    intra_node_latency_us=2.0,
+    inter_node_latency_us=6.0,
+    kernel_launch_us=3.0,
+    memory_bytes=180 * _GB,
+)
+
+# A generic multi-core server CPU running gloo: rough figures, meant for tests and dry
+# runs where only the relative ordering of plans matters.
+CPU = Hardware(
+    name="cpu",
+    flops_fp32=1e12,
+    flops_bf16=1e12,
+    memory_bandwidth=100 * _GB,
+    intra_node_bandwidth=20 * _GB,
+    inter_node_bandwidth=1.25 * _GB,
+    intra_node_latency_us=20.0,
+    inter_node_latency_us=100.0,
+    kernel_launch_us=5.0,
+    memory_bytes=64 * _GB,
+    supports_fp8=False,
+)
+
+HARDWARE_PRESETS: dict[str, Hardware] = {hw.name: hw for hw in (H100, A100, H200, B200, CPU)}

@@ -1,0 +1,154 @@
+"""A hardware profile on disk: the versioned JSON ``autoparallel calibrate`` writes.
+
+The profile holds one :class:`~autoparallel.cost.hardware.Hardware` (device figures and the
+fitted collectives) plus what it was measured on and the raw timings, so a fit can be checked
+or redone later. ``load_profile(path)`` gives the ``Hardware`` the planner prices with;
+``AutoParallel(..., hardware="profile.json")`` and ``autoparallel plan --hardware
+profile.json`` call it.
+
+Format (``format: "autoparallel-hardware-profile"``, ``version: 1``)::
+
+    {"format": ..., "version": 1,
+     "hardware": {"name", "flops_fp32", "flops_bf16", "memory_bandwidth", ...,
+                  "collectives": [{"link", "collective", "latency_us", "bandwidth",
+                                   "max_error"}, ...]},
+     "measured_on": {"backend", "world_size", "mesh_shape", "devices_per_node", "torch",
+                     "host", "date"},
+     "samples": [{"what", ..., "time_us"}, ...]}
+
+Units are SI (FLOP/s, bytes/s, bytes) and microseconds, as in ``Hardware``. Unknown keys are
+ignored, so adding one keeps the version; a newer version is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from autoparallel.cost.hardware import COLLECTIVES, LINKS, CollectiveFit, Hardware
+
+FORMAT = "autoparallel-hardware-profile"
+VERSION = 1
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "ProfileError",
+    "hardware_from_dict",
+    "hardware_to_dict",
+    "load_profile",
+    "write_profile",
+]
+
+
+class ProfileError(ValueError):
+    """A file that is not a hardware profile this version reads (the message says why)."""
+
+
+def hardware_to_dict(hardware: Hardware) -> dict[str, Any]:
+    """Plain JSON data of a ``Hardware`` (its collective fits as a list of dicts)."""
+    data = dataclasses.asdict(hardware)
+    data["collectives"] = [dataclasses.asdict(fit) for fit in hardware.collectives]
+    return data
+
+
+def hardware_from_dict(data: dict[str, Any], where: str = "hardware") -> Hardware:
+    """The ``Hardware`` of :func:`hardware_to_dict`'s data; ProfileError names a bad field."""
+    names = {f.name for f in dataclasses.fields(Hardware)}
+    known = {key: value for key, value in data.items() if key in names}
+    known["collectives"] = tuple(
+        _collective_fit(entry, f"{where}.collectives[{index}]")
+        for index, entry in enumerate(data.get("collectives") or ())
+    )
+    for field in dataclasses.fields(Hardware):
+        if field.type in ("float", float) and field.name in known:
+            known[field.name] = _positive(known[field.name], f"{where}.{field.name}")
+    try:
+        return Hardware(**known)
+    except TypeError as error:
+        raise ProfileError(f"{where}: {error}") from error
+
+
+def _collective_fit(entry: Any, where: str) -> CollectiveFit:
+    if not isinstance(entry, dict):
+        raise ProfileError(f"{where} must be an object, got {type(entry).__name__}")
+    link, collective = entry.get("link"), entry.get("collective")
+    if link not in LINKS:
+        raise ProfileError(f"{where}.link is {link!r}; expected one of {', '.join(LINKS)}")
+    if collective not in COLLECTIVES:
+        raise ProfileError(
+            f"{where}.collective is {collective!r}; expected one of {', '.join(COLLECTIVES)}"
+        )
+    return CollectiveFit(
+        link,
+        collective,
+        latency_us=_non_negative(entry.get("latency_us"), f"{where}.latency_us"),
+        bandwidth=_positive(entry.get("bandwidth"), f"{where}.bandwidth"),
+        max_error=_non_negative(entry.get("max_error", 0.0), f"{where}.max_error"),
+    )
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProfileError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _positive(value: Any, where: str) -> float:
+    number = _number(value, where)
+    if number <= 0:
+        raise ProfileError(f"{where} must be positive, got {number}")
+    return number
+
+
+def _non_negative(value: Any, where: str) -> float:
+    number = _number(value, where)
+    if number < 0:
+        raise ProfileError(f"{where} must not be negative, got {number}")
+    return number
+
+
+def write_profile(
+    hardware: Hardware,
+    path: str | Path,
+    measured_on: dict[str, Any] | None = None,
+    samples: list[dict[str, Any]] | None = None,
+) -> None:
+    """Write ``hardware`` (and what it was measured on, and the raw timings) to ``path``."""
+    data = {
+        "format": FORMAT,
+        "version": VERSION,
+        "hardware": hardware_to_dict(dataclasses.replace(hardware, source="preset")),
+        "measured_on": dict(measured_on or {}),
+        "samples": list(samples or []),
+    }
+    del data["hardware"]["source"]  # where it is read from is said by the reader
+    Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+
+
+def load_profile(path: str | Path) -> Hardware:
+    """The ``Hardware`` in the profile at ``path`` (``source`` says which file)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ProfileError(
+            f"{path}: no such hardware profile; write one with `autoparallel calibrate --out {path}`"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProfileError(f"{path} is not a hardware profile ({error})") from error
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ProfileError(f"{path} is not a hardware profile written by `autoparallel calibrate`")
+    version = data.get("version")
+    if version != VERSION:
+        raise ProfileError(
+            f"{path} has profile version {version!r}; this autoparallel reads version {VERSION}"
+            + ("; upgrade autoparallel" if isinstance(version, int) and version > VERSION else "")
+        )
+    if not isinstance(data.get("hardware"), dict):
+        raise ProfileError(f"{path} has no 'hardware' entry")
+    hardware = hardware_from_dict(data["hardware"], f"{path}: hardware")
+    return dataclasses.replace(hardware, source=str(path))

@@ -1,0 +1,192 @@
+"""Calibration: the fit recovers known figures, a profile round-trips, a measured profile prices plans."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import random
+
+import pytest
+import torch
+from conftest import meta
+from planning import Shard
+
+from autoparallel import AutoParallel
+from autoparallel.calibrate.fit import CollectiveSample, fit_collective
+from autoparallel.calibrate.run import CalibrationSettings, _calibrate_rank
+from autoparallel.cli import main
+from autoparallel.cost import all_gather_us, all_reduce_us
+from autoparallel.cost.hardware import CPU, CollectiveFit
+from autoparallel.cost.profile import ProfileError, load_profile, write_profile
+from autoparallel.cost.topology import Topology
+from autoparallel.models import MLP
+
+QUICK = CalibrationSettings(
+    max_bytes=16 << 10, repeats=2, rounds=1, matmul_sizes=(32, 64), memory_probe_bytes=1 << 20
+)
+
+
+def _ring_time(
+    collective: str, ranks: int, nbytes: float, latency_us: float, bandwidth: float
+) -> float:
+    passes = 2 if collective == "all_reduce" else 1
+    return (
+        passes * (ranks - 1) * latency_us + passes * (ranks - 1) / ranks * nbytes / bandwidth * 1e6
+    )
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "all_reduce"])
+def test_the_fit_recovers_latency_and_bandwidth_from_noisy_timings(collective):
+    noise = random.Random(0)
+    samples = [
+        CollectiveSample(
+            collective,
+            ranks,
+            nbytes,
+            _ring_time(collective, ranks, nbytes, 300.0, 2e9) * noise.uniform(0.95, 1.05),
+        )
+        for ranks in (2, 4)
+        for nbytes in (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 26)
+    ]
+    fit = fit_collective("intra", collective, samples)
+    assert fit.latency_us == pytest.approx(300.0, rel=0.1)
+    assert fit.bandwidth == pytest.approx(2e9, rel=0.1)
+    assert 0.0 < fit.max_error < 0.1
+
+
+def test_the_fit_stays_physical_at_the_ends():
+    flat = [CollectiveSample("all_reduce", 2, n, 500.0) for n in (1 << 10, 1 << 12, 1 << 14)]
+    latency_only = fit_collective("intra", "all_reduce", flat)
+    assert latency_only.latency_us == pytest.approx(250.0) and latency_only.bandwidth > 1e15
+    linear = [CollectiveSample("all_gather", 2, n, n / 1e3) for n in (1 << 20, 1 << 22, 1 << 24)]
+    bandwidth_only = fit_collective("intra", "all_gather", linear)
+    assert bandwidth_only.latency_us >= 0.0
+    assert bandwidth_only.bandwidth == pytest.approx(0.5e9, rel=1e-6)  # (n-1)/n of 1 GB/s
+    with pytest.raises(ValueError, match="no timing"):
+        fit_collective("intra", "all_gather", [CollectiveSample("all_gather", 1, 1024, 5.0)])
+
+
+def test_a_profile_round_trips_through_json(tmp_path):
+    fits = (
+        CollectiveFit("intra", "all_reduce", 350.0, 2.5e9, 0.2),
+        CollectiveFit("inter", "all_gather", 900.0, 1e8, 0.1),
+    )
+    hardware = dataclasses.replace(CPU, name="my-cluster", collectives=fits, devices_per_node=4)
+    path = tmp_path / "profile.json"
+    write_profile(hardware, path, {"backend": "gloo"}, [{"what": "all_reduce", "time_us": 1.0}])
+    loaded = load_profile(path)
+    assert loaded == dataclasses.replace(hardware, source=str(path))
+    data = json.loads(path.read_text())
+    assert data["measured_on"] == {"backend": "gloo"} and len(data["samples"]) == 1
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda d: d.update(format="something else"), "not a hardware profile"),
+        (lambda d: d.update(version=2), "version 2.*upgrade"),
+        (lambda d: d["hardware"].update(flops_fp32=-1.0), r"hardware\.flops_fp32 must be positive"),
+        (lambda d: d["hardware"]["collectives"][0].update(link="pcie"), r"collectives\[0\]\.link"),
+    ],
+)
+def test_a_bad_profile_says_what_is_wrong(tmp_path, change, needle):
+    path = tmp_path / "profile.json"
+    fits = (CollectiveFit("intra", "all_reduce", 350.0, 2.5e9),)
+    write_profile(dataclasses.replace(CPU, collectives=fits), path)
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=needle):
+        load_profile(path)
+
+
+def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_path):
+    calibration = ranks(2).run(_calibrate_rank, QUICK, timeout_s=240)[0]
+    hardware = calibration.hardware
+    assert {(f.link, f.collective) for f in hardware.collectives} == {
+        ("intra", c) for c in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+    }
+    assert (
+        hardware.flops_fp32 > 0 and hardware.kernel_launch_us > 0 and hardware.devices_per_node == 2
+    )
+    path = tmp_path / "profile.json"
+    calibration.write(path)
+
+    # the collective prices are the fits' ring model, per collective
+    topology = Topology((2,), load_profile(path), 2)
+    fit = {f.collective: f for f in hardware.collectives}
+    for price, name in ((all_reduce_us, "all_reduce"), (all_gather_us, "all_gather")):
+        expected = _ring_time(name, 2, 1 << 20, fit[name].latency_us, fit[name].bandwidth)
+        assert price(1 << 20, 0, topology) == pytest.approx(expected)
+
+    # and a plan priced on the profile says so and differs from the cpu preset's
+    def plan(hardware_name):
+        with AutoParallel(
+            meta(lambda: MLP(64, 256)),
+            lambda: torch.randn(32, 64),
+            fake_mesh((2,)),
+            hardware=hardware_name,
+        ) as autop:
+            autop.add_input_constraints([(Shard(0),)])
+            return autop.optimize_placement(), autop.sharding_optimizer.get_json()
+
+    measured, data = plan(str(path))
+    preset, _ = plan("cpu")
+    assert data["hardware"]["source"] == str(path) and data["hardware"]["gpus_per_node"] == 2
+    assert len(data["hardware"]["collectives"]) == 4
+    assert measured.totals.compute_us != pytest.approx(preset.totals.compute_us)
+    reductions = [
+        a for _, a in measured.redistributions() if a.kind == "param_grad" and a.comm_us > 0
+    ]
+    assert reductions, "a DDP-like plan reduces its gradients"
+    for argument in reductions:  # a gradient all-reduce costs at least one fitted latency
+        assert argument.comm_us >= 2 * fit["all_reduce"].latency_us * 0.999
+
+
+def test_the_cli_plans_on_a_profile_and_refuses_a_missing_one(tmp_path):
+    path = tmp_path / "profile.json"
+    write_profile(dataclasses.replace(CPU, name="my-cluster", devices_per_node=2), path)
+    out = tmp_path / "plan.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(
+            [
+                "plan",
+                "--model",
+                "tiny",
+                "--mesh",
+                "2",
+                "--batch",
+                "8",
+                "--seq",
+                "32",
+                "--hardware",
+                str(path),
+                "--no-save",
+                "--out",
+                str(out),
+            ]
+        )
+        missing = main(
+            [
+                "plan",
+                "--model",
+                "tiny",
+                "--mesh",
+                "2",
+                "--batch",
+                "8",
+                "--seq",
+                "32",
+                "--hardware",
+                str(tmp_path / "nope.json"),
+            ]
+        )
+        unlaunched = main(["calibrate", "--out", str(tmp_path / "p.json")])
+    assert code == 0, stderr.getvalue()
+    assert json.loads(out.read_text())["hardware"]["name"] == "my-cluster"
+    assert f"priced on my-cluster (profile {path})" in stdout.getvalue()
+    assert missing == 2 and "no such hardware profile" in stderr.getvalue()
+    assert unlaunched == 2 and "--nproc" in stderr.getvalue()
