@@ -11,13 +11,14 @@ import random
 import pytest
 import torch
 from conftest import meta
-from planning import Shard
+from planning import Replicate, Shard
+from torch.distributed.tensor import Partial
 
 from autoparallel import AutoParallel
 from autoparallel.calibrate.fit import CollectiveSample, fit_collective
 from autoparallel.calibrate.run import CalibrationSettings, _calibrate_rank
 from autoparallel.cli import main
-from autoparallel.cost import all_gather_us, all_reduce_us
+from autoparallel.cost import all_gather_us, all_reduce_us, reduce_scatter_us
 from autoparallel.cost.hardware import CPU, CollectiveFit
 from autoparallel.cost.profile import ProfileError, load_profile, write_profile
 from autoparallel.cost.topology import Topology
@@ -121,28 +122,38 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
         expected = _ring_time(name, 2, 1 << 20, fit[name].latency_us, fit[name].bandwidth)
         assert price(1 << 20, 0, topology) == pytest.approx(expected)
 
-    # and a plan priced on the profile says so and differs from the cpu preset's
+    # and a plan priced on the profile says so, prices its gradient all-reduces with the
+    # fit, and differs from the cpu preset's
     def plan(hardware_name):
+        model, mesh = meta(lambda: MLP(64, 256)), fake_mesh((2,))
         with AutoParallel(
-            meta(lambda: MLP(64, 256)),
-            lambda: torch.randn(32, 64),
-            fake_mesh((2,)),
-            hardware=hardware_name,
+            model, lambda: torch.randn(32, 64), mesh, hardware=hardware_name
         ) as autop:
             autop.add_input_constraints([(Shard(0),)])
-            return autop.optimize_placement(), autop.sharding_optimizer.get_json()
+            plan = autop.optimize_placement()
+            return plan, autop.sharding_optimizer.get_json(), autop.sharding_optimizer.problem
 
-    measured, data = plan(str(path))
-    preset, _ = plan("cpu")
+    measured, data, problem = plan(str(path))
+    preset, _, _ = plan("cpu")
     assert data["hardware"]["source"] == str(path) and data["hardware"]["gpus_per_node"] == 2
     assert len(data["hardware"]["collectives"]) == 4
     assert measured.totals.compute_us != pytest.approx(preset.totals.compute_us)
-    reductions = [
-        a for _, a in measured.redistributions() if a.kind == "param_grad" and a.comm_us > 0
-    ]
-    assert reductions, "a DDP-like plan reduces its gradients"
-    for argument in reductions:  # a gradient all-reduce costs at least one fitted latency
-        assert argument.comm_us >= 2 * fit["all_reduce"].latency_us * 0.999
+    priced = 0
+    for edge in problem.tables.edges:
+        if edge.kind != "param_grad":
+            continue
+        value = edge.producer.meta["val"]
+        nbytes = value.numel() * value.element_size()
+        for i, j, comm, _ in edge.pairs:
+            if edge.src_options[i] == (Partial(),) and edge.dst_options[j] == (Replicate(),):
+                # the cheapest route on the fits: one all-reduce, or reduce-scatter + all-gather
+                two_steps = reduce_scatter_us(nbytes, 0, topology) + all_gather_us(
+                    nbytes, 0, topology
+                )
+                expected = min(all_reduce_us(nbytes, 0, topology), two_steps)
+                assert comm == pytest.approx(expected, rel=1e-6, abs=0.1)
+                priced += 1
+    assert priced == 4, "every gradient's reduction is priced on the fits"
 
 
 def test_the_cli_plans_on_a_profile_and_refuses_a_missing_one(tmp_path):
