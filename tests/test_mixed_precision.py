@@ -27,10 +27,10 @@ from autoparallel.trace.mixed_precision import MixedPrecisionModule
 BF16_TOLERANCE = 2e-2
 
 
-def _plan_fsdp(fake_mesh, policy, batch=4096):
+def _plan_fsdp(fake_mesh, policy, batch=4096, dims=(256, 1024)):
     mesh = fake_mesh((4,))
     with AutoParallel(
-        meta(lambda: MLP(256, 1024)), lambda: torch.empty(batch, 256), mesh, policy
+        meta(lambda: MLP(*dims)), lambda: torch.empty(batch, dims[0]), mesh, policy
     ) as autop:
         autop.add_input_constraints([(Shard(0),)])
         autop.add_output_constraints([(Shard(0),)])
@@ -75,8 +75,10 @@ def test_parameters_are_cast_before_they_are_gathered(fake_mesh):
 
 
 def test_gradients_are_reduced_in_reduce_dtype_only_because_of_the_policy(fake_mesh):
-    """Without the policy's constraints the cheaper bf16 reduction would be chosen."""
-    autop, _ = _plan_fsdp(fake_mesh, POLICY)
+    """Without the policy's constraints the cheaper bf16 reduction would be chosen: gradients
+    large enough that halving their bytes saves more than the latency a gradient bucket
+    shares (reductions inside the graph are not coalesced; those at its boundary are)."""
+    autop, _ = _plan_fsdp(fake_mesh, POLICY, dims=(1024, 4096))
     optimizer = autop.sharding_optimizer
     names = [name for name in optimizer.constraints() if name.startswith("mixed_precision:")]
     assert len(names) == 4
@@ -85,14 +87,19 @@ def test_gradients_are_reduced_in_reduce_dtype_only_because_of_the_policy(fake_m
     assert torch.bfloat16 in {dtype for dtype, _ in reductions}
 
 
-def test_bf16_reduce_policy_needs_no_constraint(fake_mesh):
+def test_bf16_reduce_policy_reduces_in_bf16_by_constraint(fake_mesh):
+    """No reduce_dtype: gradients are reduced in param_dtype, although the fp32 reduction at
+    the boundary is coalesced (one latency for all) and priced cheaper; the policy's
+    constraints, not the prices, decide."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     autop, plan = _plan_fsdp(fake_mesh, policy)
-    assert not [
-        n for n in autop.sharding_optimizer.constraints() if n.startswith("mixed_precision:")
-    ]
+    names = [n for n in autop.sharding_optimizer.constraints() if n.startswith("mixed_precision:")]
+    assert len(names) == 4
     _, reductions = _gathers_and_reductions(autop, plan)
     assert {dtype for dtype, kind in reductions if kind != "output"} == {torch.bfloat16}
+    autop.sharding_optimizer.remove_constraints(names)
+    _, unconstrained = _gathers_and_reductions(autop, autop.sharding_optimizer.resolve())
+    assert torch.float32 in {dtype for dtype, _ in unconstrained}
 
 
 def test_mixed_precision_costs_less_communication_than_float32(fake_mesh):

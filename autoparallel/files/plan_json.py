@@ -9,7 +9,8 @@ that is not finite (an impossible redistribution, an unknown gap) is written as 
 Sections: ``mesh``, ``hardware``, ``totals``, ``solver``, ``parameters`` (with the bytes
 each device holds), ``inputs``/``outputs``, ``nodes`` (placements and costs per node),
 ``collectives`` (every redistribution, classified per mesh dim by :func:`collective_kind`),
-``layers`` (cost per module), ``fallbacks`` and ``constraints``. Two more are added by
+``layers`` (cost per module), ``buckets`` (collectives the runtime coalesces: the latency each
+pays once, and how many tensors share it), ``fallbacks`` and ``constraints``. Two more are added by
 ``autoparallel plan``: ``run`` (model, batch, timings) and ``problem`` (the file name of the
 whole problem saved as ``.npz``, relative to the JSON's folder, for ``autoparallel explain
 --placement``; absent when none was saved). Readers must ignore keys they do not know, so
@@ -332,23 +333,43 @@ def _nodes(plan: Plan, modules: dict[str, str]) -> list[dict[str, Any]]:
     ]
 
 
+COALESCED = "(coalesced collectives)"
+"""The ``layers`` row of the fixed costs of coalesced collectives, which span modules."""
+
+
 def _layers(plan: Plan, modules: dict[str, str]) -> list[dict[str, Any]]:
-    """Cost per attributed module (a node's compute plus the redistributions into it)."""
+    """Cost per attributed module (a node's compute plus the redistributions into it); the
+    latency of coalesced collectives, which belongs to no one module, in a row of its own."""
     sums: dict[str, list[float]] = {}
     for node in plan.nodes.values():
         row = sums.setdefault(modules.get(node.name, ""), [0.0, 0.0, 0.0])
         row[0] += node.compute_us
         row[1] += node.comm_us
         row[2] += node.transition_us
+    if plan.buckets:
+        sums[COALESCED] = [0.0, sum(b.latency_us for b in plan.buckets), 0.0]
     return [
         {"module": module, "compute_us": _num(c), "comm_us": _num(m), "transition_us": _num(t)}
         for module, (c, m, t) in sorted(sums.items())
     ]
 
 
+def _buckets(plan: Plan) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": b.kind,
+            "description": b.description,
+            "latency_us": _num(b.latency_us),
+            "tensors": b.tensors,
+            "candidates": b.candidates,
+        }
+        for b in plan.buckets
+    ]
+
+
 def plan_json(plan: Plan) -> dict[str, Any]:
     """The sections a Plan alone gives: ``mesh``, ``totals``, ``solver``, ``nodes`` (without
-    module attribution), ``parameters`` (placements only) and ``fallbacks``.
+    module attribution), ``parameters`` (placements only), ``buckets`` and ``fallbacks``.
 
     Enough for the summary's totals and the diff of two plans (:mod:`autoparallel.report.text`),
     which is how the live tools (``diff_solutions``, the verbose log) use the same code as
@@ -382,6 +403,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             for name, p in plan.param_placements.items()
         ],
         "nodes": _nodes(plan, {}),
+        "buckets": _buckets(plan),
         "fallbacks": list(plan.fallbacks),
     }
 
@@ -445,6 +467,7 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
         "nodes": _nodes(plan, modules),
         "collectives": _collectives(plan, modules),
         "layers": _layers(plan, modules),
+        "buckets": data["buckets"],
         "fallbacks": data["fallbacks"],
         "constraints": {name: c.description for name, c in problem.user_constraints.items()},
     }

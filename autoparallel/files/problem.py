@@ -34,7 +34,7 @@ from autoparallel.types.placements import (
     placement_str,
 )
 from autoparallel.types.plan import Solution, SolverStats
-from autoparallel.types.problem import Folding, Problem, Row, UserConstraint
+from autoparallel.types.problem import Bucket, BucketMember, Folding, Problem, Row, UserConstraint
 from autoparallel.types.strategies import NodeStrategies, Strategy, StrategySpace
 from autoparallel.types.tensors import TensorInfo
 
@@ -83,6 +83,16 @@ def save_problem(
         if solution
         else None,
         "solver": dataclasses.asdict(solution.stats) if solution else None,
+        "buckets": [
+            {
+                "kind": b.kind,
+                "description": b.description,
+                "latency_us": b.latency_us,
+                "candidates": b.candidates,
+                "members": [[m.edge, m.pair, m.saving_us, m.share_us] for m in b.members],
+            }
+            for b in problem.buckets
+        ],
     }
     rows = _pack_rows(problem.rows)
     with open(path, "wb") as handle:
@@ -299,6 +309,21 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
         rows=_unpack_rows(archive),
         folding=folding,
         edge_encodings=edge_encodings,
+    )
+    problem.set_buckets(
+        [
+            Bucket(
+                record["kind"],
+                record["description"],
+                record["latency_us"],
+                record["candidates"],
+                tuple(
+                    BucketMember(int(e), int(k), saving, share)
+                    for e, k, saving, share in record["members"]
+                ),
+            )
+            for record in meta.get("buckets", [])
+        ]
     )
     for record in meta["user_constraints"]:
         rows = [

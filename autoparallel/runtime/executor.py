@@ -109,15 +109,18 @@ class JointExecutor:
         }
 
     def _plan_gathers(self, order: Sequence[fx.Node]) -> GatherPlan:
-        """Which parameter reads of ``order`` are gathered a layer at a time (param_gathers.py)."""
-        names = self.joint.param_name_of()
+        """Which parameter reads of ``order`` are gathered a layer at a time (param_gathers.py):
+        reads of a parameter or of its mixed-precision cast. A group is gathered at its first
+        read, so a member whose value this phase computes only later is left to itself."""
+        sources = self.joint.parameter_sources()
+        position = {node: index for index, node in enumerate(order)}
         mesh_shape = tuple(self.mesh.shape)
-        reads: list[tuple[tuple, Gather]] = []
-        for node in order:
+        reads: list[tuple[tuple, Gather, int]] = []
+        for index, node in enumerate(order):
             program = self.programs[node]
             for slot, producer in enumerate(tensor_input_nodes(node)):
                 wanted = program.input_placements.get(slot)
-                name = names.get(producer)
+                name = sources.get(producer)
                 if (
                     name is None
                     or wanted is None
@@ -128,15 +131,28 @@ class JointExecutor:
                 value = producer.meta["val"]
                 group = plan_gather(
                     name,
-                    tuple(self.plan.param_placements[name]),
+                    tuple(self._placement_of(producer, name)),
                     tuple(wanted),
                     tuple(value.shape),
                     value.dtype,
                     mesh_shape,
                 )
                 if group is not None:
-                    reads.append(((producer, tuple(wanted)), group))
-        return GatherPlan.of_reads(reads)
+                    reads.append(((producer, tuple(wanted)), group, index))
+        first_read: dict[Gather, int] = {}
+        for _, group, index in reads:
+            first_read.setdefault(group, index)
+        ready = [
+            (key, group)
+            for key, group, _ in reads
+            if position.get(key[0], -1) < first_read[group]  # computed before, or saved
+        ]
+        return GatherPlan.of_reads(ready)
+
+    def _placement_of(self, node: fx.Node, name: str) -> tuple:
+        if node.op == "placeholder":
+            return tuple(self.plan.param_placements[name])
+        return tuple(self.plan.nodes[node.name].strategy.output)
 
     def _needed_for_outputs(self) -> list[fx.Node]:
         needed: set[fx.Node] = set()
@@ -183,12 +199,7 @@ class JointExecutor:
             slot = next(slot_counter)
             value = env[arg]
             wanted = program.input_placements.get(slot)
-            if (
-                gathers is not None
-                and arg.op == "placeholder"
-                and wanted is not None
-                and not is_multi(wanted)
-            ):
+            if gathers is not None and wanted is not None and not is_multi(wanted):
                 gathered = gathers.take(arg, tuple(wanted), env)
                 value = value if gathered is None else gathered
             if isinstance(value, DTensor) and wanted is not None and not is_multi(wanted):

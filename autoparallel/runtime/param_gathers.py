@@ -19,16 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoparallel import _torch_internals as internals
-
-
-def layer_of(name: str) -> str:
-    """The numbered layer a parameter belongs to (``layers.3.attention.wq.weight`` ->
-    ``layers.3.``), or ``""`` for one outside numbered layers."""
-    parts = name.split(".")
-    for index in range(len(parts) - 2, -1, -1):
-        if parts[index].isdigit():
-            return ".".join(parts[: index + 1]) + "."
-    return ""
+from autoparallel.types.graph import layer_of
 
 
 @dataclass(frozen=True)

@@ -155,33 +155,41 @@ def gradient_chain_edges(grad_node: fx.Node, reduce_dtype: torch.dtype) -> list[
 def reduction_dtype_constraints(
     problem: Problem, policy: MixedPrecisionPolicy
 ) -> list[UserConstraint]:
-    """Keep each parameter gradient unreduced until it is in ``reduce_dtype``.
+    """Keep each parameter gradient unreduced until it is in the policy's reduction dtype
+    (``reduce_dtype``, else ``param_dtype``), and reduced before it leaves that dtype.
 
-    On each edge of :func:`gradient_chain_edges`, the placement pairs that would reduce
-    (``Partial`` on a mesh dim at the producer, not at the consumer) are forbidden: one row
-    holding their pair variables at zero, which the solver's presolve removes outright.
-    Returns one named constraint per parameter; none when the policy does not change the
-    reduction dtype.
+    On each edge of :func:`gradient_chain_edges`, and on the gradient's boundary edge when
+    the gradient leaves in another dtype (bf16 reduced, fp32 stored), the placement pairs
+    that would reduce (``Partial`` on a mesh dim at the producer, not at the consumer) are
+    forbidden: one row holding their pair variables at zero, which the solver's presolve
+    removes outright. This holds whatever the prices say (a coalesced fp32 reduction at the
+    boundary can be cheaper than a bf16 one inside the graph). Returns one named constraint
+    per parameter that needs one.
     """
-    if (
-        policy.reduce_dtype is None
-        or policy.param_dtype is None
-        or policy.reduce_dtype == policy.param_dtype
-    ):
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype
+    if reduce_dtype is None:
         return []
     index_of = {id(edge): index for index, edge in enumerate(problem.tables.edges)}
+    boundary = {
+        edge.producer: index_of[id(edge)]
+        for edge in problem.tables.edges
+        if edge.kind == "param_grad"
+    }
     constraints = []
     for name, grad_node in problem.joint.param_grads.items():
         forbidden = [
             _reducing_columns(problem, index_of[id(edge)])
-            for consumer in gradient_chain_edges(grad_node, policy.reduce_dtype)
+            for consumer in gradient_chain_edges(grad_node, reduce_dtype)
             for edge in problem.tables.incoming.get(consumer, [])
             if edge.kind == "arg"
         ]
+        value = grad_node.meta.get("val")
+        if grad_node in boundary and getattr(value, "dtype", reduce_dtype) != reduce_dtype:
+            forbidden.append(_reducing_columns(problem, boundary[grad_node]))
         columns = np.concatenate(forbidden) if forbidden else np.zeros(0, dtype=np.int64)
         if len(columns):
             row = Row(columns.astype(np.int64), np.ones(len(columns)), 0.0, 0.0)
-            description = f"gradient of {name} reduced in {policy.reduce_dtype}"
+            description = f"gradient of {name} reduced in {reduce_dtype}"
             constraints.append(UserConstraint(f"mixed_precision:{name}", description, [row]))
     return constraints
 

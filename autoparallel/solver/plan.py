@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, Placements
-from autoparallel.types.plan import ArgumentCost, CostTotals, NodePlan, Plan, Solution
+from autoparallel.types.plan import ArgumentCost, BucketCost, CostTotals, NodePlan, Plan, Solution
 from autoparallel.types.problem import Problem
 
 
@@ -24,6 +24,14 @@ def _pair_price(edge: EdgeCost, src_index: int, dst_index: int) -> tuple[float, 
         ((c, t) for i, j, c, t in edge.pairs if i == src_index and j == dst_index),
         (float("nan"), 0.0),
     )
+
+
+def _pair_index(edge: EdgeCost, src_index: int, dst_index: int) -> int | None:
+    """Index of the pair (src_index, dst_index) in ``edge.pairs``, None if infeasible."""
+    for k, (i, j, _, _) in enumerate(edge.pairs):
+        if i == src_index and j == dst_index:
+            return k
+    return None
 
 
 def _route(
@@ -56,11 +64,21 @@ def build_plan(
             strategy=ns.strategies[choice[node]],
             compute_us=tables.compute_us[node][choice[node]],
         )
-    for edge in tables.edges:
+    bucket_of = {(m.edge, m.pair): (b, m) for b in problem.buckets for m in b.members}
+    in_use: dict[int, int] = {}  # id(bucket) -> tensors in it
+    for index, edge in enumerate(tables.edges):
         src_index = edge.src_of_strategy[choice[edge.producer]]
         dst_index = edge.dst_of_strategy[choice[edge.consumer]]
         comm, transition = _pair_price(edge, src_index, dst_index)
         src, dst = edge.src_options[src_index], edge.dst_options[dst_index]
+        route = _route(edge, src, dst)
+        found = (
+            bucket_of.get((index, _pair_index(edge, src_index, dst_index))) if bucket_of else None
+        )
+        if found is not None:  # one step, coalesced: its latency is paid by the bucket
+            bucket, member = found
+            comm, route = comm - member.saving_us, ()
+            in_use[id(bucket)] = in_use.get(id(bucket), 0) + 1
         nodes[edge.consumer.name].arguments.append(
             ArgumentCost(
                 producer=edge.producer.name,
@@ -70,9 +88,14 @@ def build_plan(
                 dst=dst,
                 comm_us=comm,
                 transition_us=transition,
-                route=_route(edge, src, dst),
+                route=route,
             )
         )
+    buckets = [
+        BucketCost(b.kind, b.description, b.latency_us, in_use[id(b)], b.candidates)
+        for b in problem.buckets
+        if id(b) in in_use
+    ]
 
     def placement_of(node) -> Placements:
         return nodes[node.name].strategy.output
@@ -84,7 +107,7 @@ def build_plan(
         output_placements.append(placement_of(source) if source is not None else None)
 
     compute = sum(n.compute_us for n in nodes.values())
-    comm = sum(n.comm_us for n in nodes.values())
+    comm = sum(n.comm_us for n in nodes.values()) + sum(b.latency_us for b in buckets)
     transition = sum(n.transition_us for n in nodes.values())
     return Plan(
         mesh_shape=space.mesh_shape,
@@ -97,4 +120,5 @@ def build_plan(
         totals=CostTotals(compute + comm + transition, comm, compute, transition),
         solver=solution.stats,
         fallbacks=list(space.fallbacks),
+        buckets=buckets,
     )

@@ -45,7 +45,8 @@ def _is_prefetchable(edge: EdgeCost, problem: Problem, sources: set[fx.Node]) ->
 
 def prefetchable_columns(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     """(objective columns, comm us) of every forward parameter all-gather pair or step (see
-    :meth:`ShardingOptimizer.apply_prefetch_discount`)."""
+    :meth:`ShardingOptimizer.apply_prefetch_discount`). A pair in a bucket counts with its
+    bucketed price (its latency is the bucket's, which is not discounted)."""
     sources = parameter_views(problem)
     columns: list[int] = []
     comm_us: list[float] = []

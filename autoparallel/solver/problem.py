@@ -31,6 +31,7 @@ import logging
 import numpy as np
 import torch.fx as fx
 
+from autoparallel.solver.buckets import add_buckets
 from autoparallel.solver.folding import no_folding
 from autoparallel.types.costs import CostTables, EdgeCost
 from autoparallel.types.graph import JointGraph
@@ -48,11 +49,14 @@ def build_problem(
     tables: CostTables,
     folding: Folding | None = None,
     use_routes: bool = True,
+    price_buckets: bool = True,
 ) -> Problem:
     """The MIP of the stage docstring; with ``folding``, each class of repeated nodes has
     one set of x columns, edges whose endpoints fold alike share their y (f) columns, and a
     shared column's cost is the sum over the members it stands for. ``use_routes=False``
-    prices every edge on pairs (same optimum, larger problem).
+    prices every edge on pairs (same optimum, larger problem). ``price_buckets`` prices the
+    collectives the runtime coalesces as their buckets (solver/buckets.py); False prices
+    each on its own, latency included.
 
     Built with numpy per distinct price list (lists are shared between repeated layers), so
     the work grows with the number of edges, not with their pairs: an 80-layer model on a
@@ -149,12 +153,15 @@ def build_problem(
         folding=folding,
         edge_encodings=edge_encodings,
     )
+    if price_buckets:
+        add_buckets(problem)
     logger.info(
-        "problem: %d variables, %d constraints (%d nodes in %d classes)",
+        "problem: %d variables, %d constraints (%d nodes in %d classes, %d collective buckets)",
         problem.num_variables,
         problem.num_constraints,
         len(space.nodes),
         folding.num_classes,
+        len(problem.buckets),
     )
     return problem
 

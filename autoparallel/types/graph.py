@@ -96,3 +96,29 @@ class JointGraph:
 
     def param_name_of(self) -> dict[fx.Node, str]:
         return {node: name for name, node in self.params.items()}
+
+    def parameter_sources(self) -> dict[fx.Node, str]:
+        """Nodes that stand for a parameter where the ops read it: its placeholder, and a
+        dtype cast of it in the forward (the mixed-precision policy's ``_to_copy``), each
+        with the parameter's name. The runtime gathers these a layer at a time."""
+        sources = self.param_name_of()
+        for node, name in list(sources.items()):
+            for user in node.users:
+                if (
+                    user in self.forward_nodes
+                    and getattr(user.target, "__name__", "") == "_to_copy.default"
+                    and user.all_input_nodes == [node]
+                ):
+                    sources[user] = name
+        return sources
+
+
+def layer_of(name: str) -> str:
+    """The numbered layer a parameter belongs to (``layers.3.attention.wq.weight`` ->
+    ``layers.3.``), or ``""`` for one outside numbered layers. The runtime gathers a layer's
+    parameters together by this name, and the solver prices them so."""
+    parts = name.split(".")
+    for index in range(len(parts) - 2, -1, -1):
+        if parts[index].isdigit():
+            return ".".join(parts[: index + 1]) + "."
+    return ""

@@ -89,6 +89,18 @@ class CostTotals:
     transition_us: float
 
 
+@dataclass(frozen=True)
+class BucketCost:
+    """Collectives the runtime issues as one (a gradient-reduction bucket, a layer's
+    parameter gathers): the fixed cost it pays once, and how many tensors share it."""
+
+    kind: str  # "gradient_reduction" or "parameter_gather"
+    description: str
+    latency_us: float  # paid once per step (per phase, for a layer's gathers)
+    tensors: int  # how many of the plan's moves it carries
+    candidates: int  # how many could have joined (the objective shared the latency by these)
+
+
 @dataclass
 class Plan:
     mesh_shape: tuple[int, ...]
@@ -101,6 +113,8 @@ class Plan:
     totals: CostTotals
     solver: SolverStats
     fallbacks: list[str]
+    # coalesced collectives: their latency is in totals.comm_us, not in any argument's
+    buckets: list[BucketCost] = field(default_factory=list)
 
     def redistributions(self) -> list[tuple[str, ArgumentCost]]:
         """Every (consumer node name, argument) where a collective or local reshard happens."""

@@ -53,7 +53,8 @@ class Row:
 
 @dataclass(frozen=True)
 class EdgeMove:
-    """One edge column: it moves the value from ``src`` to ``dst`` placements for ``comm_us``."""
+    """One edge column: it moves the value from ``src`` to ``dst`` placements for ``comm_us``
+    (a bucket member's price without the latency its bucket pays)."""
 
     column: int
     src: object
@@ -68,6 +69,33 @@ class UserConstraint:
     name: str
     description: str
     rows: list[Row]
+
+
+@dataclass(frozen=True)
+class BucketMember:
+    """A pair of an edge that joins a bucket when chosen: it moves in one step (no route),
+    priced without the collective's latency plus its share of the bucket's."""
+
+    edge: int  # index into tables.edges
+    pair: int  # index into that edge's pairs
+    saving_us: float  # the pair's price minus the step's price without the latency
+    share_us: float  # the bucket's latency divided by its candidates, added back
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Collectives the runtime issues as one: gradient reductions of one (mesh dim, target,
+    dtype), or one layer's parameter all-gathers of one (phase, mesh dim, dtype).
+
+    ``candidates`` is how many edges could join it; each member pair carries
+    ``latency_us / candidates`` of the latency in the objective (see solver/buckets.py).
+    """
+
+    kind: str  # "gradient_reduction" or "parameter_gather"
+    description: str  # e.g. "all_reduce over mesh dim 0 to R, float32"
+    latency_us: float
+    candidates: int
+    members: tuple[BucketMember, ...]
 
 
 @dataclass
@@ -85,6 +113,21 @@ class Problem:
     # per edge: "pairs" (edge_columns[e][k] is edge.pairs[k]) or "routes" (edge_columns[e][k]
     # is arc k of edge.routes.table); empty means all pairs
     edge_encodings: list[str] = field(default_factory=list)
+    # collectives the runtime coalesces, priced one latency per bucket (solver/buckets.py)
+    buckets: list[Bucket] = field(default_factory=list)
+    # (edge, pair) -> objective saving of each bucket member, indexed by set_buckets
+    _savings: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+
+    def set_buckets(self, buckets: list[Bucket]) -> None:
+        self.buckets = buckets
+        self._savings = {
+            (m.edge, m.pair): m.saving_us - m.share_us for b in buckets for m in b.members
+        }
+
+    def pair_saving(self, edge: int, pair: int) -> float:
+        """How far below its route's price pair ``pair`` of edge ``edge`` is in the objective,
+        as a bucket member (its latency taken off, its share of the bucket's added)."""
+        return self._savings.get((edge, pair), 0.0)
 
     def edge_encoding(self, index: int) -> str:
         return self.edge_encodings[index] if self.edge_encodings else "pairs"
@@ -94,8 +137,13 @@ class Problem:
         edge, columns = self.tables.edges[index], self.edge_columns[index]
         if self.edge_encoding(index) == "pairs":
             return [
-                EdgeMove(int(column), edge.src_options[i], edge.dst_options[j], comm)
-                for column, (i, j, comm, _) in zip(columns, edge.pairs)
+                EdgeMove(
+                    int(column),
+                    edge.src_options[i],
+                    edge.dst_options[j],
+                    comm - self.pair_saving(index, k),
+                )
+                for k, (column, (i, j, comm, _)) in enumerate(zip(columns, edge.pairs))
             ]
         assert edge.routes is not None
         pricer, table = edge.routes.pricer, edge.routes.table

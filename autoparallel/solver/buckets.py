@@ -1,0 +1,180 @@
+"""Collectives the runtime coalesces, priced as the buckets they become.
+
+The runtime issues two kinds of collective together (``runtime/coalesce.py``,
+``runtime/param_gathers.py``):
+
+* parameter-gradient reductions whose move is one sum over one mesh dim (to Replicate, or to
+  an evenly dividing Shard), one collective per (mesh dim, target, dtype) for the whole step;
+* reads of a parameter (or of its mixed-precision cast) whose move is one all-gather (Shard ->
+  Replicate on one mesh dim, evenly divided), one collective per (phase, numbered layer,
+  mesh dim, dtype).
+
+Pricing each of them as a collective of its own charges the fixed cost (the latency of every
+ring step) once per tensor: on gloo that is ~1 ms per gradient, so a per-tensor model prefers
+plans that reduce nothing. Here every pair that the runtime would coalesce is priced without
+that latency plus an equal share of it: the latency divided by the bucket's *candidates*, the
+edges that have a pair in it. When every candidate joins (all gradients reduced the same
+way, a whole layer gathered: the plans that matter) the shares add up to exactly one latency;
+when only some join, the objective pays less than the runtime will, and the plan's totals,
+which charge each bucket in use its whole latency once, say so. A fixed charge proper (a
+column ``z >= y`` per member) is exact but makes the relaxation fractional: LLaMA on a 2-D
+mesh went from an LP solve to branch and bound past its time limit. The shares keep the
+problem's structure (no column, no row), and folding applies.
+
+Known limit: gradient-reduction buckets are priced on 1-D meshes only. On a 2-D mesh they
+make the LP relaxation of LLaMA half-integral around the embedding's gradient (a 50/50 mix
+of two placements beats both by 0.3 %), and branch and bound does not close that gap within
+minutes; parameter-gather buckets keep it integral. On 2-D and 3-D meshes gradient
+reductions are still priced one latency each (conservative: the runtime coalesces them).
+
+Such a pair is priced as its direct single step even where the route table found a cheaper
+multi-step route (say reduce-scatter then all-gather instead of an all-reduce): coalescing
+needs the single step, so where the bucketed step is the cheaper, the plan takes it (its
+``route`` is empty). Only pair-encoded edges take part: on a flow-encoded edge one arc does
+not say whether the route is a single step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoparallel.cost.collectives import (
+    all_gather_us,
+    all_reduce_us,
+    reduce_scatter_us,
+    ring_latency_us,
+)
+from autoparallel.cost.topology import Topology
+from autoparallel.types.costs import EdgeCost
+from autoparallel.types.graph import layer_of
+from autoparallel.types.placements import is_multi, placement_str
+from autoparallel.types.problem import Bucket, BucketMember, Problem
+from autoparallel.types.tensors import local_shape
+
+_PRICES = {
+    "all_reduce": all_reduce_us,
+    "reduce_scatter": reduce_scatter_us,
+    "all_gather": all_gather_us,
+}
+
+
+def add_buckets(problem: Problem) -> None:
+    """Reprice the coalesced pairs of ``problem``'s objective and record its buckets (in
+    place: ``problem.objective`` and ``problem.buckets`` change)."""
+    found: dict[tuple, list[tuple[int, int, float]]] = defaultdict(
+        list
+    )  # key -> (edge, pair, saving)
+    latencies: dict[tuple, float] = {}
+    param_names = problem.joint.parameter_sources()
+    for index, edge in enumerate(problem.tables.edges):
+        if problem.edge_encoding(index) != "pairs":
+            continue
+        for key, pair, saving, latency in _coalesced_pairs(problem, index, edge, param_names):
+            found[key].append((index, pair, saving))
+            latencies[key] = latency
+    objective = problem.objective.copy()
+    buckets = []
+    for key, members in found.items():
+        candidates = len({edge for edge, _, _ in members})
+        share = latencies[key] / candidates
+        kept = []
+        for edge, pair, saving in members:
+            if saving <= share:  # no cheaper even when every candidate joins
+                continue
+            objective[problem.edge_columns[edge][pair]] -= saving - share  # per member
+            kept.append(BucketMember(edge, pair, saving, share))
+        if kept:
+            buckets.append(Bucket(key[0], key[1], latencies[key], candidates, tuple(kept)))
+    problem.objective = objective
+    problem.set_buckets(buckets)
+
+
+def _coalesced_pairs(
+    problem: Problem, index: int, edge: EdgeCost, param_names: dict[fx.Node, str]
+) -> Iterator[tuple[tuple, int, float, float]]:
+    """(bucket key, pair index, saving, the collective's latency) of each pair of ``edge``
+    that the runtime coalesces and that is cheaper without its latency than as priced."""
+    joint, topology = problem.joint, problem.tables.topology
+    if edge.kind == "param_grad":
+        if len(topology.mesh_shape) > 1:  # see "Known limit" in the module docstring
+            return
+        kind = "gradient_reduction"
+    elif edge.kind == "arg" and edge.producer in param_names:
+        kind = "parameter_gather"
+    else:
+        return
+    value = edge.producer.meta.get("val")
+    if value is None or not hasattr(value, "shape"):
+        return
+    shape, dtype = tuple(value.shape), value.dtype
+    for k, (i, j, comm, _) in enumerate(edge.pairs):
+        src, dst = edge.src_options[i], edge.dst_options[j]
+        step = _single_step(kind, src, dst, shape, topology)
+        if step is None:
+            continue
+        mesh_dim, collective = step
+        latency = ring_latency_us(mesh_dim, topology, collective)
+        nbytes = math.prod(
+            local_shape(shape, dst if collective == "all_gather" else src, topology.mesh_shape)
+        )
+        direct = _PRICES[collective](nbytes * value.element_size(), mesh_dim, topology)
+        bucketed = direct - latency
+        if not bucketed < comm - 1e-9:
+            continue
+        target = placement_str((dst[mesh_dim],))
+        dtype_name = str(dtype).removeprefix("torch.")
+        if kind == "gradient_reduction":
+            description = f"{collective} over mesh dim {mesh_dim} to {target}, {dtype_name}"
+            key = (kind, description, mesh_dim, target, dtype_name)
+        else:
+            phase = "forward" if edge.consumer in joint.forward_nodes else "backward"
+            layer = layer_of(param_names[edge.producer])
+            description = f"{collective} over mesh dim {mesh_dim}, {dtype_name}, per layer, {phase}"
+            key = (kind, description, mesh_dim, dtype_name, phase, layer)
+        yield key, k, comm - bucketed, latency
+
+
+def _single_step(
+    kind: str, src: object, dst: object, shape: tuple, topology: Topology
+) -> tuple[int, str] | None:
+    """(mesh dim, collective) when ``src -> dst`` is the one step the runtime coalesces."""
+    if src is None or dst is None or is_multi(src) or is_multi(dst):
+        return None
+    changed = [d for d, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(changed) != 1:
+        return None
+    d = changed[0]
+    before, after = src[d], dst[d]
+    local = local_shape(shape, src, topology.mesh_shape)
+    ranks = topology.mesh_shape[d]
+    if kind == "gradient_reduction":
+        if not isinstance(before, Partial) or before.reduce_op != "sum":
+            return None
+        if isinstance(after, Replicate):
+            return d, "all_reduce"
+        if type(after) is Shard and after.dim < len(local) and local[after.dim] % ranks == 0:
+            return d, "reduce_scatter"
+        return None
+    if (
+        type(before) is Shard
+        and isinstance(after, Replicate)
+        and _evenly_sharded(src, shape, topology)
+    ):
+        return d, "all_gather"
+    return None
+
+
+def _evenly_sharded(placements: tuple, shape: tuple, topology: Topology) -> bool:
+    """Every sharded dim divides evenly (the runtime gathers only even shards)."""
+    sizes = list(shape)
+    for mesh_size, placement in zip(topology.mesh_shape, placements):
+        if type(placement) is Shard:
+            if placement.dim >= len(sizes) or sizes[placement.dim] % mesh_size:
+                return False
+            sizes[placement.dim] //= mesh_size
+    return True

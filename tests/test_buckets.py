@@ -1,0 +1,137 @@
+"""Collectives the runtime coalesces are priced as the buckets they become (solver/buckets.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import meta
+from planning import Replicate, Shard
+
+from autoparallel import AutoParallel
+from autoparallel.cost import all_gather_us, all_reduce_us
+from autoparallel.cost.collectives import ring_latency_us
+from autoparallel.cost.hardware import CPU
+from autoparallel.models import MLP, Llama, llama_config
+from autoparallel.optimizer import ShardingOptimizer
+from autoparallel.types.placements import placement_str
+
+CONFIG = llama_config("tiny")
+# about what `autoparallel calibrate --nproc 2` measures on a small 2-core VM
+GLOO_LIKE = dataclasses.replace(
+    CPU,
+    name="gloo-like",
+    flops_fp32=80e9,
+    flops_bf16=1e9,
+    memory_bandwidth=12e9,
+    kernel_launch_us=6.0,
+    intra_node_latency_us=500.0,
+    intra_node_bandwidth=1e9,
+)
+
+
+def _plan(mesh, model, input_fn, memory: bool, hardware: object = "cpu"):
+    autop = AutoParallel(model, input_fn, mesh, hardware=hardware)
+    with autop:
+        batch = (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
+        autop.add_input_constraints([batch])
+        autop.add_output_constraints([batch])
+        if memory:
+            autop.add_parameter_memory_constraint()
+        plan = autop.optimize_placement()
+    return autop, plan
+
+
+def _nbytes(autop, producer: str) -> int:
+    nodes = {n.name: n for n in autop.sharding_optimizer.problem.joint.graph.nodes}
+    value = nodes[producer].meta["val"]
+    return value.numel() * value.element_size()
+
+
+def test_the_free_plan_of_a_small_llama_is_ddp_with_one_gradient_bucket(fake_mesh):
+    """Priced one latency per gradient on a gloo-like link, this plan gathered the batch and
+    reduced nothing; priced as the runtime's one all-reduce, DDP is the cheapest."""
+    model = meta(lambda: Llama(CONFIG))
+    tokens = lambda: torch.randint(0, CONFIG.vocab_size, (8, 32))  # noqa: E731
+    autop, plan = _plan(fake_mesh((2,)), model, tokens, memory=False, hardware=GLOO_LIKE)
+    assert {placement_str(p) for p in plan.param_placements.values()} == {"R"}
+    (bucket,) = [b for b in plan.buckets if b.kind == "gradient_reduction"]
+    assert bucket.tensors == bucket.candidates == len(plan.param_placements)
+    topology = autop.topology
+    assert bucket.latency_us == pytest.approx(ring_latency_us(0, topology, "all_reduce"))
+    reductions = [(c, a) for c, a in plan.redistributions() if a.kind == "param_grad"]
+    assert len(reductions) == len(plan.param_placements)
+    for _, argument in reductions:  # each pays its bytes; the bucket pays the latency once
+        assert argument.route == ()
+        bandwidth_only = all_reduce_us(_nbytes(autop, argument.producer), 0, topology)
+        assert argument.comm_us == pytest.approx(bandwidth_only - bucket.latency_us)
+    arguments = sum(n.comm_us for n in plan.nodes.values())
+    assert plan.totals.comm_us == pytest.approx(arguments + bucket.latency_us)
+
+
+def test_a_layer_of_sharded_parameters_is_gathered_in_one_bucket_per_phase(fake_mesh):
+    model = meta(lambda: Llama(CONFIG))
+    tokens = lambda: torch.randint(0, CONFIG.vocab_size, (8, 32))  # noqa: E731
+    autop, plan = _plan(fake_mesh((4,)), model, tokens, memory=True)
+    gathers = [b for b in plan.buckets if b.kind == "parameter_gather"]
+    assert {"forward" in b.description for b in gathers} == {True, False}
+    assert max(b.tensors for b in gathers) == 9  # a transformer block's parameters
+    topology = autop.topology
+    latency = ring_latency_us(0, topology, "all_gather")
+    assert all(b.latency_us == pytest.approx(latency) for b in gathers)
+    params = set(autop.sharding_optimizer.problem.joint.parameter_sources())
+    direct_gathers = [
+        a
+        for _, a in plan.redistributions()
+        if a.kind == "arg" and a.route == () and a.producer in {n.name for n in params}
+    ]
+    assert len(direct_gathers) >= sum(b.tensors for b in gathers)  # one step: coalesced
+    json = autop.sharding_optimizer.get_json()
+    assert len(json["buckets"]) == len(plan.buckets)
+    assert sum(row["comm_us"] for row in json["layers"]) == pytest.approx(plan.totals.comm_us)
+
+
+def test_without_bucket_pricing_every_collective_pays_its_latency(fake_mesh):
+    """The per-tensor model (build_problem(price_buckets=False)) is dearer for the same DDP plan."""
+    from autoparallel.solver.highs import solve
+    from autoparallel.solver.plan import build_plan
+    from autoparallel.solver.problem import build_problem
+
+    model = meta(lambda: MLP(64, 256))
+    autop, bucketed = _plan(fake_mesh((2,)), model, lambda: torch.randn(32, 64), memory=False)
+    problem = autop.sharding_optimizer.problem
+    plain = build_problem(problem.joint, problem.space, problem.tables, price_buckets=False)
+    assert plain.buckets == [] and problem.buckets
+    for constraint in problem.user_constraints.values():
+        plain.add_constraint(constraint)
+    unbucketed = build_plan(plain, solve(plain), None)
+    assert unbucketed.buckets == []
+    assert bucketed.totals.total_us < unbucketed.totals.total_us
+
+
+def test_a_saved_problem_keeps_its_buckets(fake_mesh, tmp_path):
+    model = meta(lambda: Llama(CONFIG))
+    tokens = lambda: torch.randint(0, CONFIG.vocab_size, (8, 32))  # noqa: E731
+    autop, plan = _plan(fake_mesh((2,)), model, tokens, memory=False)
+    path = tmp_path / "problem.npz"
+    autop.sharding_optimizer.save(str(path))
+    loaded = ShardingOptimizer.load(str(path))
+    again = loaded.get_solution()
+    assert [b.description for b in again.buckets] == [b.description for b in plan.buckets]
+    assert again.totals.total_us == pytest.approx(plan.totals.total_us)
+    assert loaded.resolve().totals.total_us == pytest.approx(plan.totals.total_us)
+
+
+def test_gather_prices_are_the_bandwidth_of_the_step(fake_mesh):
+    model = meta(lambda: MLP(256, 1024))
+    autop, plan = _plan(fake_mesh((4,)), model, lambda: torch.randn(4096, 256), memory=True)
+    topology = autop.topology
+    latency = ring_latency_us(0, topology, "all_gather")
+    names = autop.sharding_optimizer.problem.joint.param_name_of()
+    params = {node.name for node in names}
+    gathers = [a for _, a in plan.redistributions() if a.producer in params and a.kind == "arg"]
+    assert gathers
+    for argument in gathers:
+        full = all_gather_us(_nbytes(autop, argument.producer), 0, topology)
+        assert argument.comm_us == pytest.approx(full - latency)
