@@ -122,7 +122,14 @@ def _build_ours(
     planning_s = time.perf_counter() - start
     parallel.to_empty(device="cpu")
     parallel.init_weights(seed=0)
-    return parallel, {"planning_s": round(planning_s, 3)}
+    placements = sorted({str(p) for p in plan.param_placements.values()})
+    return parallel, {
+        "planning_s": round(planning_s, 3),
+        "predicted_ms": round(plan.totals.total_us / 1e3, 3),
+        "priced_on": autop.topology.hardware.name,
+        "param_placements": placements,
+        "buckets": [f"{b.description} x{b.tensors}" for b in plan.buckets],
+    }
 
 
 def _check_same_plan(plan: Any) -> None:
@@ -289,6 +296,10 @@ def _summary(result: dict) -> dict:
         "loss_last",
         "param_bytes_per_rank",
         "planning_s",
+        "predicted_ms",
+        "priced_on",
+        "param_placements",
+        "buckets",
         "graphs_compiled",
         "compiled_in_timed_steps",
         "error",

@@ -66,7 +66,7 @@ def plan_gather(
 ) -> Gather | None:
     """The group of a parameter read in ``wanted`` placements, when the move from its own
     ``source`` placements is one all-gather (Shard -> Replicate on one mesh dim) of evenly
-    divided shards; None otherwise."""
+    divided shards of a tensor dim no other mesh dim shards; None otherwise."""
     changed = [dim for dim, (src, dst) in enumerate(zip(source, wanted)) if src != dst]
     if len(changed) != 1:
         return None
@@ -74,13 +74,13 @@ def plan_gather(
     src, dst = source[mesh_dim], wanted[mesh_dim]
     if type(src) is not Shard or not isinstance(dst, Replicate) or src.dim >= len(shape):
         return None
-    size = shape[src.dim]
     for other, placement in enumerate(source):
+        # a tensor dim sharded over two mesh dims: one rank's rows along ``mesh_dim`` are not
+        # contiguous in the wanted layout, so the flat gather would misplace them; left to
+        # DTensor's own redistribute
         if other != mesh_dim and type(placement) is Shard and placement.dim == src.dim:
-            if size % mesh_shape[other]:
-                return None
-            size //= mesh_shape[other]
-    if size % mesh_shape[mesh_dim]:
+            return None
+    if shape[src.dim] % mesh_shape[mesh_dim]:
         return None
     return Gather(layer_of(param_name), mesh_dim, dtype)
 

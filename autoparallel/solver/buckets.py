@@ -21,11 +21,12 @@ column ``z >= y`` per member) is exact but makes the relaxation fractional: LLaM
 mesh went from an LP solve to branch and bound past its time limit. The shares keep the
 problem's structure (no column, no row), and folding applies.
 
-Known limit: gradient-reduction buckets are priced on 1-D meshes only. On a 2-D mesh they
-make the LP relaxation of LLaMA half-integral around the embedding's gradient (a 50/50 mix
-of two placements beats both by 0.3 %), and branch and bound does not close that gap within
-minutes; parameter-gather buckets keep it integral. On 2-D and 3-D meshes gradient
-reductions are still priced one latency each (conservative: the runtime coalesces them).
+Known limit: buckets are priced on 1-D meshes only. On a 2-D mesh gradient-reduction
+buckets make the LP relaxation of LLaMA half-integral around the embedding's gradient (a
+50/50 mix of two placements beats both by 0.3 %), and branch and bound does not close that
+gap within minutes; pricing only the gather buckets there would tilt plans toward sharding
+parameters (gathers shared, reductions not), so neither is priced: on 2-D and 3-D meshes
+every collective still pays its own latency (conservative: the runtime coalesces them).
 
 Such a pair is priced as its direct single step even where the route table found a cheaper
 multi-step route (say reduce-scatter then all-gather instead of an all-reduce): coalescing
@@ -100,9 +101,9 @@ def _coalesced_pairs(
     """(bucket key, pair index, saving, the collective's latency) of each pair of ``edge``
     that the runtime coalesces and that is cheaper without its latency than as priced."""
     joint, topology = problem.joint, problem.tables.topology
+    if len(topology.mesh_shape) > 1:  # see "Known limit" in the module docstring
+        return
     if edge.kind == "param_grad":
-        if len(topology.mesh_shape) > 1:  # see "Known limit" in the module docstring
-            return
         kind = "gradient_reduction"
     elif edge.kind == "arg" and edge.producer in param_names:
         kind = "parameter_gather"
@@ -124,7 +125,7 @@ def _coalesced_pairs(
         )
         direct = _PRICES[collective](nbytes * value.element_size(), mesh_dim, topology)
         bucketed = direct - latency
-        if not bucketed < comm - 1e-9:
+        if not math.isfinite(comm) or not bucketed < comm - 1e-9:  # impossible, or no gain
             continue
         target = placement_str((dst[mesh_dim],))
         dtype_name = str(dtype).removeprefix("torch.")
