@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autoparallel.cost.collectives import RING_PASSES
 from autoparallel.cost.hardware import CollectiveFit
 
-PASSES = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 1}
 _US_PER_S = 1e6
 _SMALLEST_SLOPE = 1e-15  # us per byte: a bandwidth of 1e21 B/s, i.e. "unmeasurably fast"
 
@@ -47,7 +47,7 @@ def fit_collective(
     usable = [s for s in samples if s.group_size > 1 and s.time_us > 0]
     if not usable:
         raise ValueError(f"no timing of {collective} over 2 or more ranks to fit")
-    passes = PASSES[collective]
+    passes = RING_PASSES[collective]
     steps = np.array([passes * (s.group_size - 1) for s in usable], dtype=float)
     volume = np.array(
         [passes * (s.group_size - 1) / s.group_size * s.nbytes for s in usable], dtype=float

@@ -24,12 +24,13 @@ __all__ = [
     "all_reduce_us",
     "all_to_all_us",
     "reduce_scatter_us",
+    "RING_PASSES",
     "ring_latency_us",
 ]
 
 _US_PER_S = 1e6
 # ring sweeps per collective: an all-reduce is a reduce-scatter followed by an all-gather
-_PASSES = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 1}
+RING_PASSES = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 1}
 
 
 def ring_latency_us(mesh_dim: int, topology: Topology, collective: str) -> float:
@@ -37,7 +38,9 @@ def ring_latency_us(mesh_dim: int, topology: Topology, collective: str) -> float
     costs, paid once per collective call however many tensors share its buffer."""
     n = topology.mesh_shape[mesh_dim]
     return (
-        _PASSES[collective] * (n - 1) * topology.latency_us(mesh_dim, collective) if n > 1 else 0.0
+        RING_PASSES[collective] * (n - 1) * topology.latency_us(mesh_dim, collective)
+        if n > 1
+        else 0.0
     )
 
 
@@ -47,7 +50,7 @@ def _ring_us(buffer_bytes: float, mesh_dim: int, topology: Topology, collective:
     n = topology.mesh_shape[mesh_dim]
     if n == 1:
         return 0.0
-    passes = _PASSES[collective]
+    passes = RING_PASSES[collective]
     bandwidth = topology.bandwidth(mesh_dim, collective)
     transfer = passes * (n - 1) / n * max(float(buffer_bytes), 0.0) / bandwidth
     return ring_latency_us(mesh_dim, topology, collective) + transfer * _US_PER_S

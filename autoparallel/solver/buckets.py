@@ -51,6 +51,7 @@ from autoparallel.cost.collectives import (
     ring_latency_us,
 )
 from autoparallel.cost.topology import Topology
+from autoparallel.strategies.rules import evenly_divisible
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.graph import layer_of
 from autoparallel.types.placements import is_multi, placement_str
@@ -164,18 +165,7 @@ def _single_step(
     if (
         type(before) is Shard
         and isinstance(after, Replicate)
-        and _evenly_sharded(src, shape, topology)
+        and evenly_divisible(src, shape, topology.mesh_shape)
     ):
         return d, "all_gather"
     return None
-
-
-def _evenly_sharded(placements: tuple, shape: tuple, topology: Topology) -> bool:
-    """Every sharded dim divides evenly (the runtime gathers only even shards)."""
-    sizes = list(shape)
-    for mesh_size, placement in zip(topology.mesh_shape, placements):
-        if type(placement) is Shard:
-            if placement.dim >= len(sizes) or sizes[placement.dim] % mesh_size:
-                return False
-            sizes[placement.dim] //= mesh_size
-    return True

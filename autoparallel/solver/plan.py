@@ -65,6 +65,7 @@ def build_plan(
             compute_us=tables.compute_us[node][choice[node]],
         )
     bucket_of = {(m.edge, m.pair): (b, m) for b in problem.buckets for m in b.members}
+    bucket_edges = {edge for edge, _ in bucket_of}  # the pair is looked up on these only
     in_use: dict[int, int] = {}  # id(bucket) -> tensors in it
     for index, edge in enumerate(tables.edges):
         src_index = edge.src_of_strategy[choice[edge.producer]]
@@ -73,7 +74,9 @@ def build_plan(
         src, dst = edge.src_options[src_index], edge.dst_options[dst_index]
         route = _route(edge, src, dst)
         found = (
-            bucket_of.get((index, _pair_index(edge, src_index, dst_index))) if bucket_of else None
+            bucket_of.get((index, _pair_index(edge, src_index, dst_index)))
+            if index in bucket_edges
+            else None
         )
         if found is not None:  # one step, coalesced: its latency is paid by the bucket
             bucket, member = found
