@@ -3,7 +3,7 @@
 from autoparallel.api import AutoParallel, auto_parallel
 from autoparallel.cost.hardware import HARDWARE_PRESETS, Hardware
 from autoparallel.cost.topology import Topology
-from autoparallel.runtime import InputMismatchError
+from autoparallel.runtime import InputMismatchError, StepTiming, measure_step
 from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError
 from autoparallel.solver.highs import InfeasibleConstraintsError
@@ -16,6 +16,8 @@ __all__ = [
     "autoparallel_backend",
     "with_sharding_constraint",
     "InputMismatchError",
+    "measure_step",
+    "StepTiming",
     "DynamicShapeError",
     "Plan",
     "InfeasibleConstraintsError",

@@ -1,8 +1,8 @@
 """Timings taken on the ranks of a live process group (every rank calls every function).
 
-Collectives are timed per mesh dim through torch's public c10d calls on that dim's group
-(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``all_to_all_single``),
-the ones the runtime's functional collectives lower to. Device figures are timed on every rank
+Collectives are timed per mesh dim as the runtime issues them: torch's functional
+collectives (out of place, then waited on; ``_torch_internals``) for all-gather,
+reduce-scatter and all-reduce, and c10d's ``all_to_all_single`` on that dim's group. Device figures are timed on every rank
 at once, as training runs them (ranks share the host's cores and memory on a CPU cluster), and
 the slowest rank's time counts, as the slowest rank sets a step's time.
 
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from autoparallel import _torch_internals as internals
 from autoparallel.calibrate.fit import CollectiveSample
 
 _ELEMENT = torch.float32
@@ -82,13 +83,10 @@ def time_collective(
     full = torch.ones(numel, dtype=_ELEMENT, device=device)
     part = torch.ones(numel // ranks, dtype=_ELEMENT, device=device)
     out = torch.empty_like(full)
-    # torch 2.13 renamed the *_into_tensor / *_tensor calls to *_single (same signature)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     calls: dict[str, Callable[[], object]] = {
-        "all_gather": lambda: all_gather(out, part, group=group),
-        "reduce_scatter": lambda: reduce_scatter(part, full, group=group),
-        "all_reduce": lambda: dist.all_reduce(full, group=group),
+        "all_gather": lambda: internals.all_gather_rows(part, mesh, mesh_dim),
+        "reduce_scatter": lambda: internals.reduce_scatter_sum(full, mesh, mesh_dim),
+        "all_reduce": lambda: internals.all_reduce_sum(full, mesh, mesh_dim),
         "all_to_all": lambda: dist.all_to_all_single(out, full, group=group),
     }
     dist.barrier()
@@ -117,18 +115,75 @@ def memory_bandwidth(nbytes: int, repeats: int, device: torch.device) -> float:
     return 3.0 * numel * _ELEMENT.itemsize / (median / 1e6)
 
 
-def op_overhead_us(repeats: int, device: torch.device, ops: int = 200) -> float:
-    """The fixed cost of one op as the runtime runs it: a traced local graph (``make_fx``, as
-    ``runtime/local_graph.py`` builds them) of ``ops`` additions on 1-element tensors, timed
-    whole and divided by ``ops`` (slowest rank)."""
+def matmul_half_dim(
+    peak_flops: float, size: int, small: int, repeats: int, device: torch.device
+) -> float:
+    """The ``matmul_half_dim`` of ``Hardware``: from a ``small`` x ``size`` by ``size`` x
+    ``size`` matmul's FLOP/s against ``peak_flops`` (rate = peak * d / (d + half))."""
+    a = torch.randn(small, size, device=device)
+    b = torch.randn(size, size, device=device)
+    dist.barrier()
+    median = slowest_rank(_median_us(lambda: torch.mm(a, b), repeats, device), device)
+    rate = 2.0 * small * size * size / (median / 1e6)
+    return max(0.0, small * (peak_flops / rate - 1.0))
+
+
+def _traced_chain_us(
+    step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ops: int, repeats: int
+) -> float:
+    """Per-op time of ``ops`` applications of ``step``, traced with ``make_fx`` as
+    ``runtime/local_graph.py`` traces the runtime's graphs (slowest rank)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    def chain(x: torch.Tensor) -> torch.Tensor:
+    def chain(value: torch.Tensor) -> torch.Tensor:
         for _ in range(ops):
-            x = x + 1
-        return x
+            value = step(value)
+        return value
 
-    x = torch.zeros(1, device=device)
     graph = make_fx(chain)(x)
     dist.barrier()
-    return slowest_rank(_median_us(lambda: graph(x), repeats, device), device) / ops
+    return slowest_rank(_median_us(lambda: graph(x), repeats, x.device), x.device) / ops
+
+
+def op_overhead_us(repeats: int, device: torch.device, ops: int = 200) -> float:
+    """The fixed cost of one op as the runtime runs it: a traced chain of small ops of the
+    kinds a training graph is made of (a binary op, an op with a scalar, a unary op, a
+    reduction), on 8 x 8 tensors, per op."""
+    other = torch.full((8, 8), 0.5, device=device)
+
+    def step(value: torch.Tensor) -> torch.Tensor:
+        value = value * other
+        value = value + 1.0
+        value = torch.neg(value)
+        return value - value.sum(-1, keepdim=True)
+
+    return _traced_chain_us(step, torch.ones(8, 8, device=device), ops // 5, repeats) / 5
+
+
+def view_op_us(repeats: int, device: torch.device, ops: int = 200) -> float:
+    """The cost of one view op (no kernel: the host's dispatch only), traced as above."""
+
+    def step(value: torch.Tensor) -> torch.Tensor:
+        return value.view(-1) if value.dim() == 2 else value.view(8, -1)
+
+    return _traced_chain_us(step, torch.ones(8, 8, device=device), ops, repeats)
+
+
+def optimizer_step_us(mesh: DeviceMesh, tensors: int, numel: int, repeats: int) -> float:
+    """One ``AdamW(foreach=True).step()`` over ``tensors`` replicated DTensor parameters of
+    ``numel`` elements each, with gradients set: what the runtime's optimizer step runs."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    device = torch.device(mesh.device_type)
+    params = []
+    for _ in range(tensors):
+        param = torch.nn.Parameter(
+            distribute_tensor(torch.ones(numel, device=device), mesh, [Replicate()] * mesh.ndim)
+        )
+        param.grad = distribute_tensor(
+            torch.full((numel,), 1e-3, device=device), mesh, [Replicate()] * mesh.ndim
+        )
+        params.append(param)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    dist.barrier()
+    return slowest_rank(_median_us(optimizer.step, repeats, device), device)

@@ -1,8 +1,9 @@
 """Run a calibration: on a launched process group (torchrun) or on N spawned local gloo ranks.
 
 Order of work, on every rank together: per mesh dim and collective, each message size from
-``min_bytes`` to ``max_bytes`` (x4 apart); then the device (matmul per dtype and size, memory
-bandwidth, per-op cost). Rank 0 prints one progress line per measurement and the fits with
+``min_bytes`` to ``max_bytes`` (x4 apart); then the device (matmul per dtype and size, how a
+skinny matmul slows down, memory bandwidth, the cost of an op and of a view op as the
+runtime runs them, and AdamW's step on DTensor parameters). Rank 0 prints one progress line per measurement and the fits with
 their largest relative error. The result is one ``Hardware`` whose link figures are the
 all-reduce fits (the generic figures a preset would have) and whose ``collectives`` hold every
 fit; ``cost/profile.py`` writes it with the raw timings.
@@ -46,6 +47,11 @@ class CalibrationSettings:
         rounds: passes over every (collective, size); the median over passes counts.
         matmul_sizes: square matmul sizes timed per dtype (the largest gives the FLOP/s).
         memory_probe_bytes: buffer size of the memory-bandwidth probe.
+        skinny_matmul_dim: M of the skinny matmul (M x size x size, size the largest
+            matmul size) that measures how fast matmuls slow down at small dimensions.
+        optimizer_tensors / optimizer_numel: the optimizer step is timed on (few, 256),
+            (many, 256) and (few, optimizer_numel) tensors x elements, and solved for a
+            fixed cost per step, a cost per tensor and a cost per element.
         name: the profile's hardware name (default: ``<device>-<backend>-<host>``).
     """
 
@@ -56,6 +62,9 @@ class CalibrationSettings:
     rounds: int = 3
     matmul_sizes: tuple[int, ...] = (256, 512, 1024)
     memory_probe_bytes: int = 64 * MIB
+    skinny_matmul_dim: int = 32
+    optimizer_tensors: tuple[int, int] = (4, 32)
+    optimizer_numel: int = 1 << 20
     name: str | None = None
 
     def sizes(self) -> list[int]:
@@ -103,7 +112,7 @@ def calibrate_group(
     topology = Topology(mesh_shape, CPU, per_node)
     samples: list[dict[str, Any]] = []
     fits = _fit_links(_time_collectives(mesh, topology, settings, say, samples), say)
-    device_figures = _time_device(device, settings, say, samples)
+    device_figures = _time_device(device, mesh, settings, say, samples)
     hardware = _hardware(settings, device, fits, device_figures, per_node)
     measured_on = {
         "backend": dist.get_backend(),
@@ -187,7 +196,11 @@ def _fit_links(
 
 
 def _time_device(
-    device: torch.device, settings: CalibrationSettings, say: Callable[[str], None], samples: list
+    device: torch.device,
+    mesh: Any,
+    settings: CalibrationSettings,
+    say: Callable[[str], None],
+    samples: list,
 ) -> dict[str, float]:
     figures: dict[str, float] = {}
     for dtype, key in ((torch.float32, "flops_fp32"), (torch.bfloat16, "flops_bf16")):
@@ -205,6 +218,11 @@ def _time_device(
                 f"[calibrate] matmul {str(dtype).removeprefix('torch.'):<8} {size:>5}^3: {flops / 1e9:10.2f} GFLOP/s"
             )
         figures[key] = flops  # the largest size: closest to what big matmuls reach
+    size, small = settings.matmul_sizes[-1], settings.skinny_matmul_dim
+    half = measure.matmul_half_dim(figures["flops_fp32"], size, small, settings.repeats, device)
+    samples.append({"what": "matmul_half_dim", "size": size, "small": small, "half_dim": half})
+    say(f"[calibrate] matmul {small} x {size} x {size}: half the peak at a dimension of {half:.0f}")
+    figures["matmul_half_dim"] = half
     bandwidth = measure.memory_bandwidth(settings.memory_probe_bytes, settings.repeats, device)
     samples.append(
         {"what": "memory_bandwidth", "nbytes": settings.memory_probe_bytes, "bandwidth": bandwidth}
@@ -212,11 +230,51 @@ def _time_device(
     say(
         f"[calibrate] memory bandwidth ({_bytes(settings.memory_probe_bytes)} add): {bandwidth / 1e9:.2f} GB/s"
     )
-    overhead = measure.op_overhead_us(settings.repeats, device)
-    samples.append({"what": "op_overhead", "time_us": overhead})
-    say(f"[calibrate] fixed cost per op (traced local graph): {overhead:.2f} us")
-    figures["memory_bandwidth"], figures["kernel_launch_us"] = bandwidth, overhead
+    figures["memory_bandwidth"] = bandwidth
+    figures["kernel_launch_us"] = measure.op_overhead_us(settings.repeats, device)
+    figures["view_op_us"] = measure.view_op_us(settings.repeats, device)
+    samples.append({"what": "op_overhead", "time_us": figures["kernel_launch_us"]})
+    samples.append({"what": "view_op", "time_us": figures["view_op_us"]})
+    say(
+        f"[calibrate] fixed cost per op (traced local graph): {figures['kernel_launch_us']:.2f} us, "
+        f"per view op {figures['view_op_us']:.2f} us"
+    )
+    figures.update(_time_optimizer(mesh, settings, say, samples))
     return figures
+
+
+def _time_optimizer(
+    mesh: Any, settings: CalibrationSettings, say: Callable[[str], None], samples: list
+) -> dict[str, float]:
+    """AdamW's step at three points, solved for its fixed, per-tensor and per-element parts."""
+    few, many = settings.optimizer_tensors
+    small, large = 256, settings.optimizer_numel
+    runs = {}
+    for tensors, numel in ((few, small), (many, small), (few, large)):
+        runs[tensors, numel] = measure.optimizer_step_us(mesh, tensors, numel, settings.repeats)
+        samples.append(
+            {
+                "what": "optimizer_step",
+                "tensors": tensors,
+                "numel": numel,
+                "time_us": runs[tensors, numel],
+            }
+        )
+        say(
+            f"[calibrate] AdamW step, {tensors} tensors of {numel} elements: {runs[tensors, numel]:.0f} us"
+        )
+    per_tensor = max(0.0, (runs[many, small] - runs[few, small]) / (many - few))
+    per_element_us = max(0.0, (runs[few, large] - runs[few, small]) / (few * (large - small)))
+    fixed = max(0.0, runs[few, small] - few * per_tensor - few * small * per_element_us)
+    say(
+        f"[calibrate] optimizer step: {fixed:.0f} us per step + {per_tensor:.1f} us per tensor "
+        f"+ {1e3 * per_element_us:.3f} ns per element"
+    )
+    return {
+        "optimizer_step_us": fixed,
+        "optimizer_us_per_tensor": per_tensor,
+        "optimizer_ns_per_element": 1e3 * per_element_us,
+    }
 
 
 def _hardware(
@@ -246,6 +304,12 @@ def _hardware(
         intra_node_latency_us=intra.latency_us if intra else CPU.intra_node_latency_us,
         inter_node_latency_us=inter.latency_us if inter else CPU.inter_node_latency_us,
         kernel_launch_us=figures["kernel_launch_us"],
+        synchronous_ops=device.type == "cpu",
+        view_op_us=figures["view_op_us"] if device.type == "cpu" else 0.0,
+        matmul_half_dim=figures["matmul_half_dim"],
+        optimizer_step_us=figures["optimizer_step_us"],
+        optimizer_us_per_tensor=figures["optimizer_us_per_tensor"],
+        optimizer_ns_per_element=figures["optimizer_ns_per_element"],
         memory_bytes=memory,
         supports_fp8=fp8,
         collectives=tuple(fits),

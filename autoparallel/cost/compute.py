@@ -1,7 +1,10 @@
 """Roofline estimate of one operator's run time on one rank.
 
-Cost = max(FLOPs / peak FLOP/s, bytes moved / HBM bandwidth), floored at the kernel launch
-overhead; view and metadata ops are free because they launch no kernel. Arguments arrive
+Roofline = max(FLOPs / FLOP/s, bytes moved / memory bandwidth). On an asynchronous device
+(a GPU) an op costs its roofline floored at the kernel launch overhead and view/metadata ops
+are free (they launch no kernel, and the host runs ahead of the device). Where the host runs
+every op to completion (eager CPU, ``Hardware.synchronous_ops``) the fixed cost per op adds
+to the roofline and a view costs the host's dispatch of it. Arguments arrive
 with every tensor already replaced by its LOCAL :class:`TensorInfo`, so sharding shows up
 here simply as smaller shapes.
 
@@ -27,7 +30,7 @@ from autoparallel.cost.hardware import Hardware
 from autoparallel.trace.view_ops import is_view_op as is_free_op
 from autoparallel.types.tensors import TensorInfo
 
-__all__ = ["bytes_moved", "compute_cost_us", "flop_count", "is_free_op"]
+__all__ = ["bytes_moved", "compute_cost_us", "flop_count", "is_free_op", "matmul_min_dim"]
 
 log = logging.getLogger(__name__)
 
@@ -112,18 +115,53 @@ def _math_dtype(args: tuple, kwargs: dict, output: Any) -> torch.dtype:
     return torch.float32
 
 
+_MATMULS = {
+    _aten.mm.default: (0, 1),
+    _aten.addmm.default: (1, 2),
+    _aten.bmm.default: (0, 1),
+    _aten.baddbmm.default: (1, 2),
+}
+"""Matmul ops and the positions of their two factors (M x K and K x N, batched or not)."""
+
+
+def matmul_min_dim(op: Any, args: tuple) -> int | None:
+    """The smallest of a matmul's M, N and K, or None for any other op."""
+    positions = _MATMULS.get(op)
+    if positions is None:
+        return None
+    first, second = (args[i] if i < len(args) else None for i in positions)
+    if not (isinstance(first, TensorInfo) and isinstance(second, TensorInfo)):
+        return None
+    if len(first.shape) < 2 or len(second.shape) < 2:
+        return None
+    return min(first.shape[-2], first.shape[-1], second.shape[-1])
+
+
 def compute_cost_us(
     op: torch._ops.OpOverload, args: tuple, kwargs: dict, output: Any, hardware: Hardware
 ) -> float:
-    """Roofline time (us) of ``op`` on one rank; 0.0 for views, else >= kernel launch.
+    """Time (us) of ``op`` on one rank: its roofline time plus or floored at the launch cost.
 
     ``args``/``kwargs``/``output`` are the node's pytrees with tensors replaced by LOCAL
-    ``TensorInfo``. Never raises for an unknown op: it is priced by the bytes it touches.
+    ``TensorInfo``. On asynchronous hardware a view costs 0 and any other op
+    ``max(roofline, kernel_launch_us)``; where ``hardware.synchronous_ops`` (eager CPU) a
+    view costs ``view_op_us`` and any other op ``kernel_launch_us + roofline``. Matmuls run
+    below the peak when a dimension is small (``Hardware.matmul_half_dim``). Never raises
+    for an unknown op: it is priced by the bytes it touches.
     """
     if is_free_op(op):
-        return 0.0
+        return hardware.view_op_us if hardware.synchronous_ops else 0.0
     kwargs = kwargs or {}
     flops = flop_count(op, args, kwargs, output)
-    compute_s = flops / hardware.peak_flops(_math_dtype(args, kwargs, output)) if flops else 0.0
+    compute_s = 0.0
+    if flops:
+        rate = hardware.peak_flops(_math_dtype(args, kwargs, output))
+        smallest = matmul_min_dim(op, args) if hardware.matmul_half_dim else None
+        if smallest:
+            rate *= smallest / (smallest + hardware.matmul_half_dim)
+        compute_s = flops / rate
     memory_s = bytes_moved(args, kwargs, output) / hardware.memory_bandwidth
-    return max(max(compute_s, memory_s) * _US_PER_S, hardware.kernel_launch_us)
+    roofline_us = max(compute_s, memory_s) * _US_PER_S
+    if hardware.synchronous_ops:
+        return hardware.kernel_launch_us + roofline_us
+    return max(roofline_us, hardware.kernel_launch_us)

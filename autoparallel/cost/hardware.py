@@ -88,6 +88,27 @@ class Hardware:
     devices_per_node: int | None = None
     # "preset", or the profile file the figures were read from
     source: str = "preset"
+    # True where the host runs each op to completion before issuing the next (eager CPU):
+    # an op then costs kernel_launch_us PLUS its roofline time, and a view op view_op_us.
+    # False for an asynchronous device (a GPU), where launches hide behind running kernels:
+    # max(roofline, kernel_launch_us), views free.
+    synchronous_ops: bool = False
+    view_op_us: float = 0.0
+    # the smallest matmul dimension (of M, N, K) at which a matmul reaches half the peak
+    # FLOP/s: rate = peak * d / (d + matmul_half_dim); 0 prices every matmul at the peak
+    matmul_half_dim: float = 0.0
+    # the optimizer step (measured: AdamW with foreach kernels on the runtime's DTensor
+    # parameters): a fixed cost per step, per parameter tensor, and per local element.
+    # All 0 (the presets): the step is not priced.
+    optimizer_step_us: float = 0.0
+    optimizer_us_per_tensor: float = 0.0
+    optimizer_ns_per_element: float = 0.0
+
+    def optimizer_us(self, local_numel: int) -> float:
+        """The optimizer step's time for one parameter tensor of ``local_numel`` elements."""
+        if not (self.optimizer_us_per_tensor or self.optimizer_ns_per_element):
+            return 0.0
+        return self.optimizer_us_per_tensor + local_numel * self.optimizer_ns_per_element / 1e3
 
     def collective_fit(self, link: str, collective: str) -> CollectiveFit | None:
         """The measured fit of ``collective`` over ``link``, if the profile has one."""
@@ -168,7 +189,8 @@ B200 = Hardware(
 )
 
 # A generic multi-core server CPU running gloo: rough figures, meant for tests and dry
-# runs where only the relative ordering of plans matters.
+# runs where only the relative ordering of plans matters (calibrate a real machine with
+# ``autoparallel calibrate``).
 CPU = Hardware(
     name="cpu",
     flops_fp32=1e12,

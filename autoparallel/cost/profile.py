@@ -64,8 +64,15 @@ def hardware_from_dict(data: dict[str, Any], where: str = "hardware") -> Hardwar
         for index, entry in enumerate(data.get("collectives") or ())
     )
     for field in dataclasses.fields(Hardware):
-        if field.type in ("float", float) and field.name in known:
-            known[field.name] = _positive(known[field.name], f"{where}.{field.name}")
+        if field.name not in known:
+            continue
+        if field.type in ("float", float):
+            check = _non_negative if field.default == 0.0 else _positive
+            known[field.name] = check(known[field.name], f"{where}.{field.name}")
+        elif field.type in ("bool", bool) and not isinstance(known[field.name], bool):
+            raise ProfileError(
+                f"{where}.{field.name}: expected true or false, got {known[field.name]!r}"
+            )
     try:
         return Hardware(**known)
     except TypeError as error:

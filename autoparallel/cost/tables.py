@@ -3,7 +3,8 @@
 Two kinds of price, both in microseconds:
 
 * compute, per (node, strategy): the roofline time of the op on the local shapes the
-  strategy implies;
+  strategy implies; for a trained parameter, its share of the optimizer step on the local
+  shard its placement leaves (0 where the hardware does not price the step);
 * redistribution, per edge and per distinct (producer placement, required placement) pair,
   priced by :class:`~autoparallel.cost.redistribution.PairPricer` (the reference model on
   integer codes with memoized local sizes: the same numbers, several times faster).
@@ -17,6 +18,7 @@ leave in the placement its tangent (incoming gradient) has.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +67,10 @@ class PriceCache:
 def build_cost_tables(joint: JointGraph, space: StrategySpace, topology: Topology) -> CostTables:
     cache = PriceCache()
     compute = {node: _compute_costs(ns, topology, cache) for node, ns in space.nodes.items()}
+    for name in joint.param_grads:  # trained parameters: their share of the optimizer step
+        node = joint.params[name]
+        if node in space:
+            compute[node] = _optimizer_costs(space[node], topology)
     edges: list[EdgeCost] = []
     for ns in space.nodes.values():
         for slot, producer in enumerate(ns.input_nodes):
@@ -240,6 +246,16 @@ def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCac
             )
         costs.append(by_local_shapes[shapes_key])
     price_cache.compute[node_key] = costs
+    return costs
+
+
+def _optimizer_costs(ns: NodeStrategies, topology: Topology) -> list[float]:
+    """The optimizer step's time on this parameter's local shard, per strategy."""
+    value = ns.node.meta["val"]
+    costs = []
+    for strategy in ns.strategies:
+        shape = local_shape(value.shape, strategy.output, topology.mesh_shape)
+        costs.append(topology.hardware.optimizer_us(math.prod(shape)))
     return costs
 
 

@@ -387,6 +387,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "comm_us": _num(totals.comm_us),
             "compute_us": _num(totals.compute_us),
             "transition_us": _num(totals.transition_us),
+            "optimizer_us": _num(totals.optimizer_us),
+            "priced_on": plan.priced_on,
         },
         "solver": {
             "status": solver.status,

@@ -137,17 +137,31 @@ LLAMA_TINY = LlamaConfig(
 )
 """A few-thousand-parameter model with the full architecture, for tests."""
 
+LLAMA_SMALL = LlamaConfig(
+    dim=512,
+    n_layers=4,
+    n_heads=8,
+    n_kv_heads=4,
+    vocab_size=8192,
+    ffn_hidden=1536,
+    rope_theta=10000.0,
+    max_seq_len=256,
+)
+"""About 21 M parameters: big enough that compute, not per-op overhead, sets a CPU step's
+time (the benchmarks' ``llama-small``)."""
+
 _PRESETS: dict[str, LlamaConfig] = {
     "llama3-8b": LLAMA3_8B,
     "llama3-70b": LLAMA3_70B,
     "tiny": LLAMA_TINY,
+    "small": LLAMA_SMALL,
 }
 
 _FFN_INPUTS = frozenset({"dim", "multiple_of", "ffn_dim_multiplier"})
 
 
 def llama_config(name: str, **overrides: object) -> LlamaConfig:
-    """Return the preset ``name`` ("llama3-8b", "llama3-70b", "tiny") with overrides.
+    """Return the preset ``name`` ("llama3-8b", "llama3-70b", "tiny", "small") with overrides.
 
     Overriding ``dim``, ``multiple_of`` or ``ffn_dim_multiplier`` without
     ``ffn_hidden`` recomputes ``ffn_hidden`` by the LLaMA rule, so e.g.

@@ -194,7 +194,16 @@ def totals_lines(data: Mapping[str, Any]) -> list[str]:
         f"total cost: {_fmt_us(t.get('total_us'))} per step = comm {_fmt_us(comm)} + compute {_fmt_us(compute)} "
         f"+ transition {_fmt_us(transition)}",
         f"share: comm {share(comm)}, compute {share(compute)}, transition {share(transition)}",
-    ]
+    ] + _optimizer_line(t)
+
+
+def _optimizer_line(totals: Mapping[str, Any]) -> list[str]:
+    optimizer = float(totals.get("optimizer_us") or 0.0)
+    priced_on = totals.get("priced_on")
+    where = f" (priced on {priced_on})" if priced_on else ""
+    if optimizer <= 0:
+        return [f"optimizer step: not priced{where}"] if priced_on else []
+    return [f"of compute, the optimizer step: {_fmt_us(optimizer)}{where}"]
 
 
 def _hotspot_lines(data: Mapping[str, Any], count: int = 5) -> list[str]:

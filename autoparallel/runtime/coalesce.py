@@ -6,7 +6,8 @@ reduce-scatter for a sharded one. One collective per gradient pays a collective'
 once per parameter (hundreds of times a step for a large model; ~0.5 ms each over gloo),
 which is why FSDP and DDP bucket them. Here every gradient whose planned move is that single
 step, over the same mesh dim to the same target with the same dtype, joins one flat buffer
-reduced by one functional collective. Anything else (a multi-step route, a shard that does
+reduced by one functional collective (or a few: a bucket carries at most
+``BUCKET_CAP_BYTES``, as DDP's do). Anything else (a multi-step route, a shard that does
 not divide evenly, a non-sum reduction) keeps its own redistribution.
 
 The sums are the same elementwise sums as separate collectives would give; only the grouping
@@ -58,10 +59,34 @@ def reduce_gradients(
                 values[index], routes[index], placements[index]
             ).to_local()
             continue
-        reduced = _reduce_together([values[i].to_local() for i in members], reduction, mesh)
-        for index, tensor in zip(members, reduced):
-            results[index] = tensor
+        for bucket in _capped(members, values):
+            reduced = _reduce_together([values[i].to_local() for i in bucket], reduction, mesh)
+            for index, tensor in zip(bucket, reduced):
+                results[index] = tensor
     return results  # type: ignore[return-value]
+
+
+BUCKET_CAP_BYTES = 25 << 20
+"""The most gradient bytes one collective carries (DDP's default ``bucket_cap_mb``). A
+larger flat buffer buys nothing on the wire and costs on the host: on CPU an allocation
+above glibc's mmap threshold (32 MiB at most) is fresh pages on every step, whose first
+touch runs at a fraction of the memory bandwidth."""
+
+
+def _capped(members: list[int], values: Sequence[DTensor]) -> list[list[int]]:
+    """``members`` in order, cut into runs of at most BUCKET_CAP_BYTES (a larger single
+    gradient gets a run of its own)."""
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for index in members:
+        local = values[index].to_local()
+        nbytes = local.numel() * local.element_size()
+        if buckets[-1] and size + nbytes > BUCKET_CAP_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += nbytes
+    return buckets
 
 
 def coalescable(value: DTensor, route: tuple, target: tuple, mesh: DeviceMesh) -> Reduction | None:

@@ -361,17 +361,48 @@ def _run_inference(runtime: _Runtime, *flat: torch.Tensor) -> tuple[torch.Tensor
     return tuple(runtime.inference_phase(*flat))
 
 
+class _UnwrapParameters(torch.autograd.Function):
+    """The local tensors of DTensor parameters, in ONE autograd node; its backward wraps
+    each gradient in its parameter's spec. What ``to_local()`` per parameter does, without
+    an autograd node and a placement normalization per tensor (~200 us a parameter on CPU)."""
+
+    @staticmethod
+    def forward(ctx, *params: DTensor) -> tuple[torch.Tensor, ...]:
+        ctx.specs = [internals.dtensor_spec(p) for p in params]
+        # a view, so autograd's metadata lands on it and not on the parameter's own storage
+        return tuple(
+            internals.local_tensor_of(p).view_as(internals.local_tensor_of(p)) for p in params
+        )
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
+        return tuple(
+            None if grad is None else internals.wrap_local(grad.contiguous(), spec)
+            for grad, spec in zip(grads, ctx.specs)
+        )
+
+
 def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.Tensor]:
-    locals_ = []
-    for name in names:
-        tensor = get(name)
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if local.is_meta:
+    tensors = [get(name) for name in names]
+    for name, tensor in zip(names, tensors):
+        if tensor.is_meta:
             raise RuntimeError(
                 f"{name} is still on the meta device: call parallel_model.to_empty(device=...) and "
                 "initialize it (init_weights() / load_state_dict(...)) before running"
             )
-        locals_.append(local)
+    batched = not torch.compiler.is_compiling() and torch.is_grad_enabled()  # Dynamo
+    trained = [  # traces to_local() itself; without grad, to_local() builds no node
+        i for i, t in enumerate(tensors) if batched and isinstance(t, DTensor) and t.requires_grad
+    ]
+    skip = set(trained)
+    locals_ = [
+        t.to_local() if isinstance(t, DTensor) and i not in skip else t
+        for i, t in enumerate(tensors)
+    ]
+    if trained:
+        unwrapped = _UnwrapParameters.apply(*(tensors[i] for i in trained))
+        for i, local in zip(trained, unwrapped):
+            locals_[i] = local
     return locals_
 
 

@@ -12,7 +12,8 @@ The runtime issues two kinds of collective together (``runtime/coalesce.py``,
 Pricing each of them as a collective of its own charges the fixed cost (the latency of every
 ring step) once per tensor: on gloo that is ~1 ms per gradient, so a per-tensor model prefers
 plans that reduce nothing. Here every pair that the runtime would coalesce is priced without
-that latency plus an equal share of it: the latency divided by the bucket's *candidates*, the
+that latency, plus the copy into the bucket's flat buffer (``pack_us``), plus an equal
+share of it: the latency divided by the bucket's *candidates*, the
 edges that have a pair in it. When every candidate joins (all gradients reduced the same
 way, a whole layer gathered: the plans that matter) the shares add up to exactly one latency;
 when only some join, the objective pays less than the runtime will, and the plan's totals,
@@ -125,7 +126,7 @@ def _coalesced_pairs(
             local_shape(shape, dst if collective == "all_gather" else src, topology.mesh_shape)
         )
         direct = _PRICES[collective](nbytes * value.element_size(), mesh_dim, topology)
-        bucketed = direct - latency
+        bucketed = direct - latency + pack_us(edge, src, topology)
         if not math.isfinite(comm) or not bucketed < comm - 1e-9:  # impossible, or no gain
             continue
         target = placement_str((dst[mesh_dim],))
@@ -139,6 +140,14 @@ def _coalesced_pairs(
             description = f"{collective} over mesh dim {mesh_dim}, {dtype_name}, per layer, {phase}"
             key = (kind, description, mesh_dim, dtype_name, phase, layer)
         yield key, k, comm - bucketed, latency
+
+
+def pack_us(edge: EdgeCost, src: object, topology: Topology) -> float:
+    """Copying one member into (and, for a gather, its part out of) the bucket's flat buffer:
+    its local bytes read and written once at memory bandwidth."""
+    value = edge.producer.meta["val"]
+    nbytes = math.prod(local_shape(tuple(value.shape), src, topology.mesh_shape))
+    return 2 * nbytes * value.element_size() / topology.hardware.memory_bandwidth * 1e6
 
 
 def _single_step(

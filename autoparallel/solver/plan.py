@@ -109,7 +109,10 @@ def build_plan(
         source = tangent if tangent is not None else output
         output_placements.append(placement_of(source) if source is not None else None)
 
-    compute = sum(n.compute_us for n in nodes.values())
+    optimizer = sum(n.compute_us for n in nodes.values() if n.phase == "placeholder")
+    if joint.param_grads:
+        optimizer += tables.topology.hardware.optimizer_step_us  # once per step
+    compute = sum(n.compute_us for n in nodes.values() if n.phase != "placeholder") + optimizer
     comm = sum(n.comm_us for n in nodes.values()) + sum(b.latency_us for b in buckets)
     transition = sum(n.transition_us for n in nodes.values())
     return Plan(
@@ -120,8 +123,9 @@ def build_plan(
         buffer_placements={name: placement_of(node) for name, node in joint.buffers.items()},
         input_placements=[placement_of(node) for node in joint.user_inputs],
         output_placements=output_placements,
-        totals=CostTotals(compute + comm + transition, comm, compute, transition),
+        totals=CostTotals(compute + comm + transition, comm, compute, transition, optimizer),
         solver=solution.stats,
         fallbacks=list(space.fallbacks),
         buckets=buckets,
+        priced_on=tables.topology.hardware.name,
     )

@@ -83,10 +83,16 @@ class NodePlan:
 
 @dataclass(frozen=True)
 class CostTotals:
+    """One step's predicted time (us): total = compute + comm + transition.
+
+    ``optimizer_us`` is the optimizer step's part of ``compute_us`` (0 where the hardware
+    does not price it: the presets)."""
+
     total_us: float
     comm_us: float
     compute_us: float
     transition_us: float
+    optimizer_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,8 @@ class Plan:
     fallbacks: list[str]
     # coalesced collectives: their latency is in totals.comm_us, not in any argument's
     buckets: list[BucketCost] = field(default_factory=list)
+    # the Hardware's name the prices come from (a preset, or the profile's name)
+    priced_on: str = ""
 
     def redistributions(self) -> list[tuple[str, ArgumentCost]]:
         """Every (consumer node name, argument) where a collective or local reshard happens."""

@@ -1,0 +1,247 @@
+"""Predicted vs measured step time of our plans, pinned to the hand recipes and free.
+
+    python benchmarks/plan_fidelity.py --hardware profile.json [--models mlp llama-tiny llama-small]
+        [--nproc 2 4] [--steps 5] [--warmup 3] [--recipes free ddp fsdp tp] [--no-torch]
+
+``profile.json`` comes from ``autoparallel calibrate --nproc 2 --out profile.json`` on the same
+machine (the default, the ``cpu`` preset, is not this machine). For every model and every
+rank count, one set of gloo ranks plans the model under that hardware once per recipe (see
+``benchmarks/workloads.py``: ``ddp``, ``fsdp``, ``tp`` pinned with node constraints on the
+parameters, ``free`` the planner's choice), trains each plan ``--warmup`` untimed and
+``--steps`` timed AdamW steps and takes the slowest rank's median
+(:func:`autoparallel.measure_step`); torch's own DDP and FSDP2 run the same steps as a
+yardstick. Output: one JSON line per model and rank count, then a table per model:
+
+* ``predicted``: the plan's ``totals.total_us``; ``measured``: the median step; ``error``:
+  (predicted - measured) / measured;
+* ``spearman``: rank correlation of our recipes ordered by prediction and by measurement
+  (1.0: the planner orders them as the machine does);
+* ``free/best``: the free plan's measured time over the fastest pinned recipe's (<= 1.05
+  means the planner's choice is as good as the best hand recipe on our runtime).
+
+Children's logs go to stderr. A variant that fails is reported with its error and the others
+still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workloads import (
+    RECIPES,
+    WORKLOADS,
+    build_torch_ddp,
+    build_torch_fsdp2,
+    local_rows,
+    make_optimizer,
+    plan_ours,
+    training_step,
+)
+
+from autoparallel import measure_step
+from autoparallel._testing.harness import run_distributed
+
+TORCH_VARIANTS = ("torch-ddp", "torch-fsdp2")
+
+
+def _time_variant(
+    variant: str, workload_name: str, mesh: object, rank: int, world_size: int, args: dict
+) -> dict:
+    workload = WORKLOADS[workload_name]
+    result: dict = {}
+    plan = None
+    if variant == "torch-ddp":
+        model = build_torch_ddp(workload)
+    elif variant == "torch-fsdp2":
+        model = build_torch_fsdp2(workload, mesh)
+    else:
+        planned = plan_ours(workload, mesh, recipe=variant, hardware=args["hardware"])
+        model, plan = planned.module, planned.plan
+        result["planning_s"] = round(planned.planning_s, 2)
+        result["placements"] = sorted({str(p) for p in plan.param_placements.values()})
+        result["totals_ms"] = {
+            "compute": round(plan.totals.compute_us / 1e3, 3),
+            "comm": round(plan.totals.comm_us / 1e3, 3),
+            "transition": round(plan.totals.transition_us / 1e3, 3),
+        }
+    inputs, targets = workload.global_batch()
+    inputs = local_rows(inputs, rank, world_size)
+    targets = local_rows(targets, rank, world_size)
+    losses: list[float] = []
+    scale = 1.0 / world_size if plan is not None else 1.0
+    step = training_step(model, make_optimizer(model), inputs, targets, scale, losses)
+    timing = measure_step(step, plan, steps=args["steps"], warmup=args["warmup"])
+    result.update(
+        measured_ms=round(timing.median_ms, 3),
+        predicted_ms=round(timing.predicted_ms, 3) if timing.predicted_ms is not None else None,
+        priced_on=timing.priced_on,
+        loss_last=losses[-1],
+    )
+    return result
+
+
+def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) -> dict:
+    """One rank: every variant in turn, in the same order on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.dup2(2, 1)  # keep the parent's stdout for the report (HiGHS prints a banner)
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = {}
+    for variant in args["variants"]:
+        torch.manual_seed(0)
+        try:
+            results[variant] = {
+                "status": "ok",
+                **_time_variant(variant, workload_name, mesh, rank, world_size, args),
+            }
+        except Exception as exc:  # a failing variant must not hide the others' figures
+            traceback.print_exc()
+            results[variant] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+        gc.collect()
+    return results
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (ties get their mean rank); None for fewer than 2 points."""
+    if len(xs) < 2:
+        return None
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return round(cov / var, 3) if var else None
+
+
+def summarize(results: dict) -> dict:
+    """Spearman over our recipes, and the free plan against the best pinned one."""
+    ours = [
+        (v, r)
+        for v, r in results.items()
+        if v in RECIPES and r["status"] == "ok" and r.get("predicted_ms") is not None
+    ]
+    summary: dict = {
+        "spearman": spearman(
+            [r["predicted_ms"] for _, r in ours], [r["measured_ms"] for _, r in ours]
+        )
+    }
+    pinned = [r["measured_ms"] for v, r in ours if v != "free"]
+    free = results.get("free", {})
+    if pinned and free.get("status") == "ok":
+        summary["free_over_best_pinned"] = round(free["measured_ms"] / min(pinned), 3)
+    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for _, r in ours]
+    if errors:
+        summary["max_abs_error"] = round(max(errors), 3)
+    return summary
+
+
+def print_table(model: str, nproc: int, results: dict, summary: dict) -> None:
+    print(f"\n{model}, {nproc} ranks", file=sys.stderr)
+    header = f"{'variant':<12} {'predicted ms':>12} {'measured ms':>12} {'error':>8}  placements"
+    print(header, file=sys.stderr)
+    for variant, r in results.items():
+        if r["status"] != "ok":
+            print(f"{variant:<12} {'failed: ' + r['error']}", file=sys.stderr)
+            continue
+        predicted = r.get("predicted_ms")
+        error = (predicted - r["measured_ms"]) / r["measured_ms"] if predicted is not None else None
+        print(
+            f"{variant:<12} {predicted if predicted is not None else '-':>12} "
+            f"{r['measured_ms']:>12} {f'{100 * error:+.0f} %' if error is not None else '-':>8}  "
+            f"{' '.join(r.get('placements', []))}",
+            file=sys.stderr,
+        )
+    print("  " + ", ".join(f"{k} {v}" for k, v in summary.items()), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(WORKLOADS),
+        default=["mlp", "llama-tiny", "llama-small"],
+    )
+    parser.add_argument("--nproc", nargs="+", type=int, default=[2])
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
+    parser.add_argument("--no-torch", action="store_true", help="skip torch's DDP and FSDP2")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--hardware", default="cpu", help="preset name or calibrated profile.json")
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds per model and rank count"
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("need --steps >= 1 and --warmup >= 1 (the first step traces the local graphs)")
+    if args.hardware == "cpu":
+        print(
+            "[plan_fidelity] pricing on the 'cpu' preset; calibrate this machine first "
+            "(autoparallel calibrate --nproc 2 --out profile.json) and pass --hardware profile.json",
+            file=sys.stderr,
+        )
+    variants = list(args.recipes) + ([] if args.no_torch else list(TORCH_VARIANTS))
+    settings = {
+        "variants": variants,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "hardware": args.hardware,
+    }
+    failed = False
+    tables = []
+    for model in args.models:
+        for nproc in args.nproc:
+            try:
+                results = run_distributed(
+                    fidelity_rank, nproc, model, settings, timeout_s=args.timeout
+                )[0]
+            except RuntimeError as exc:
+                print(f"[plan_fidelity] {model} on {nproc} ranks failed:\n{exc}", file=sys.stderr)
+                failed = True
+                continue
+            failed |= any(r["status"] != "ok" for r in results.values())
+            summary = summarize(results)
+            line = {
+                "model": model,
+                "nproc": nproc,
+                "hardware": args.hardware,
+                "steps": args.steps,
+                "variants": results,
+                **summary,
+            }
+            print(json.dumps(line), flush=True)
+            tables.append((model, nproc, results, summary))
+    for table in tables:
+        print_table(*table)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
