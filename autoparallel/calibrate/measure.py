@@ -13,16 +13,22 @@ together (a barrier) and report the largest figure of any rank.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel import _torch_internals as internals
 from autoparallel.calibrate.fit import CollectiveSample
+from autoparallel.cost.compute import is_free_op
+from autoparallel.cost.hardware import Hardware
+from autoparallel.types.tensors import TensorInfo
 
 _ELEMENT = torch.float32
 
@@ -145,19 +151,72 @@ def _traced_chain_us(
     return slowest_rank(_median_us(lambda: graph(x), repeats, x.device), x.device) / ops
 
 
-def op_overhead_us(repeats: int, device: torch.device, ops: int = 200) -> float:
-    """The fixed cost of one op as the runtime runs it: a traced chain of small ops of the
-    kinds a training graph is made of (a binary op, an op with a scalar, a unary op, a
-    reduction), on 8 x 8 tensors, per op."""
-    other = torch.full((8, 8), 0.5, device=device)
+def _block_joint(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Forward and backward of a small pre-norm transformer block (attention and a gated
+    MLP): the mix of ops a training graph is made of."""
+    import torch.nn.functional as F
 
-    def step(value: torch.Tensor) -> torch.Tensor:
-        value = value * other
-        value = value + 1.0
-        value = torch.neg(value)
-        return value - value.sum(-1, keepdim=True)
+    wq, wk, wv, wo, w1, w2, gain = weights
+    batch, seq, dim = x.shape
+    heads = 4
 
-    return _traced_chain_us(step, torch.ones(8, 8, device=device), ops // 5, repeats) / 5
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+
+    def split_heads(t: torch.Tensor) -> torch.Tensor:
+        return t.view(batch, seq, heads, dim // heads).transpose(1, 2)
+
+    y = norm(x)
+    q, k, v = (split_heads(F.linear(y, w)) for w in (wq, wk, wv))
+    attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    h = x + F.linear(attention.transpose(1, 2).reshape(batch, seq, dim), wo)
+    out = h + F.linear(F.silu(F.linear(norm(h), w1)), w2)
+    loss = out.float().pow(2).mean()
+    return torch.autograd.grad(loss, (x, *weights))
+
+
+def op_overhead_us(repeats: int, device: torch.device, roofline_hardware: Hardware) -> float:
+    """The fixed cost of one op as the runtime runs it: the joint forward+backward graph of
+    a small transformer block, traced with ``make_fx`` (as ``runtime/local_graph.py`` traces
+    the runtime's graphs) and timed whole, less what the cost model charges it without a
+    fixed cost per op (the roofline of every op and ``view_op_us`` per view, priced on
+    ``roofline_hardware``), per non-view op (slowest rank)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoparallel.cost.compute import compute_cost_us
+    from autoparallel.trace.fx_args import map_args
+
+    dim = 64
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(dim, dim)] * 4 + [(4 * dim, dim), (dim, 4 * dim), (dim,)]
+    weights = [
+        (0.1 * torch.randn(shape, generator=generator)).to(device).requires_grad_()
+        for shape in shapes
+    ]
+    x = torch.randn(4, 32, dim, generator=generator).to(device).requires_grad_()
+    graph = make_fx(_block_joint)(x, *weights)
+    without_overhead = dataclasses.replace(roofline_hardware, kernel_launch_us=0.0)
+    charged, ops = 0.0, 0
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        args, kwargs = map_args(_tensor_info, (node.args, dict(node.kwargs)))
+        cost = compute_cost_us(node.target, args, kwargs, _tensor_info(node), without_overhead)
+        charged += cost
+        ops += not is_free_op(node.target)
+    dist.barrier()
+    with torch.no_grad():
+        whole = _median_us(lambda: graph(x, *weights), repeats, device)
+    return slowest_rank(max(whole - charged, 0.0) / max(1, ops), device)
+
+
+def _tensor_info(value: Any) -> Any:
+    """A traced node's TensorInfo (shape and dtype of its ``val``); anything else as is."""
+    meta = getattr(value, "meta", None)
+    tensor = meta.get("val") if meta else None
+    if isinstance(tensor, torch.Tensor):
+        return TensorInfo(tuple(tensor.shape), tensor.dtype)
+    return None if isinstance(value, fx.Node) else value
 
 
 def view_op_us(repeats: int, device: torch.device, ops: int = 200) -> float:

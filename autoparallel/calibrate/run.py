@@ -231,12 +231,21 @@ def _time_device(
         f"[calibrate] memory bandwidth ({_bytes(settings.memory_probe_bytes)} add): {bandwidth / 1e9:.2f} GB/s"
     )
     figures["memory_bandwidth"] = bandwidth
-    figures["kernel_launch_us"] = measure.op_overhead_us(settings.repeats, device)
     figures["view_op_us"] = measure.view_op_us(settings.repeats, device)
+    priced_so_far = dataclasses.replace(
+        CPU,
+        flops_fp32=figures["flops_fp32"],
+        flops_bf16=figures["flops_bf16"],
+        memory_bandwidth=bandwidth,
+        synchronous_ops=device.type == "cpu",
+        view_op_us=figures["view_op_us"] if device.type == "cpu" else 0.0,
+        matmul_half_dim=figures["matmul_half_dim"],
+    )
+    figures["kernel_launch_us"] = measure.op_overhead_us(settings.repeats, device, priced_so_far)
     samples.append({"what": "op_overhead", "time_us": figures["kernel_launch_us"]})
     samples.append({"what": "view_op", "time_us": figures["view_op_us"]})
     say(
-        f"[calibrate] fixed cost per op (traced local graph): {figures['kernel_launch_us']:.2f} us, "
+        f"[calibrate] fixed cost per op (a traced transformer block): {figures['kernel_launch_us']:.2f} us, "
         f"per view op {figures['view_op_us']:.2f} us"
     )
     figures.update(_time_optimizer(mesh, settings, say, samples))
