@@ -25,7 +25,13 @@ from autoparallel.cost.topology import Topology
 from autoparallel.models import MLP
 
 QUICK = CalibrationSettings(
-    max_bytes=16 << 10, repeats=2, rounds=1, matmul_sizes=(32, 64), memory_probe_bytes=1 << 20
+    max_bytes=16 << 10,
+    repeats=2,
+    rounds=1,
+    matmul_sizes=(32, 64),
+    memory_probe_bytes=1 << 20,
+    skinny_matmul_dim=8,
+    optimizer_numel=1 << 14,
 )
 
 
@@ -112,6 +118,9 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     assert (
         hardware.flops_fp32 > 0 and hardware.kernel_launch_us > 0 and hardware.devices_per_node == 2
     )
+    # a CPU host runs its ops synchronously; views and the optimizer step are measured
+    assert hardware.synchronous_ops and hardware.view_op_us > 0
+    assert hardware.optimizer_us_per_tensor + hardware.optimizer_ns_per_element > 0
     path = tmp_path / "profile.json"
     calibration.write(path)
 
@@ -138,6 +147,8 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     assert data["hardware"]["source"] == str(path) and data["hardware"]["gpus_per_node"] == 2
     assert len(data["hardware"]["collectives"]) == 4
     assert measured.totals.compute_us != pytest.approx(preset.totals.compute_us)
+    assert measured.totals.optimizer_us > 0 and preset.totals.optimizer_us == 0
+    assert measured.priced_on == hardware.name
     priced = 0
     for edge in problem.tables.edges:
         if edge.kind != "param_grad":

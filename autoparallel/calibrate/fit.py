@@ -84,3 +84,30 @@ def throughput(work: float, time_us: float) -> float:
     if time_us <= 0:
         raise ValueError(f"a measured time must be positive, got {time_us} us")
     return work / (time_us / _US_PER_S)
+
+
+@dataclass(frozen=True)
+class OptimizerFit:
+    """One optimizer step = step_us + us_per_tensor per tensor + ns_per_element per element."""
+
+    step_us: float
+    us_per_tensor: float
+    ns_per_element: float
+
+
+def fit_optimizer_step(runs: dict[tuple[int, int], float]) -> OptimizerFit:
+    """Solve three timed steps, keyed (tensors, elements per tensor): two with the fewer
+    elements (few and many tensors) and one with few tensors of more elements. Each part is
+    clamped at 0 (a noisy measurement must not make a cost negative)."""
+    by_numel = sorted({numel for _, numel in runs})
+    by_count = sorted({count for count, _ in runs})
+    if len(runs) != 3 or len(by_numel) != 2 or len(by_count) != 2:
+        raise ValueError(
+            f"need (few, small), (many, small) and (few, large) runs, got {sorted(runs)}"
+        )
+    (few, many), (small, large) = by_count, by_numel
+    per_element_us = max(0.0, (runs[few, large] - runs[few, small]) / (few * (large - small)))
+    per_tensor = (runs[many, small] - runs[few, small]) / (many - few) - small * per_element_us
+    per_tensor = max(0.0, per_tensor)
+    fixed = max(0.0, runs[few, small] - few * per_tensor - few * small * per_element_us)
+    return OptimizerFit(fixed, per_tensor, 1e3 * per_element_us)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoparallel.calibrate import measure
-from autoparallel.calibrate.fit import CollectiveSample, fit_collective
+from autoparallel.calibrate.fit import CollectiveSample, fit_collective, fit_optimizer_step
 from autoparallel.cost.hardware import COLLECTIVES, CPU, CollectiveFit, Hardware
 from autoparallel.cost.profile import write_profile
 from autoparallel.cost.topology import Topology
@@ -272,17 +272,15 @@ def _time_optimizer(
         say(
             f"[calibrate] AdamW step, {tensors} tensors of {numel} elements: {runs[tensors, numel]:.0f} us"
         )
-    per_tensor = max(0.0, (runs[many, small] - runs[few, small]) / (many - few))
-    per_element_us = max(0.0, (runs[few, large] - runs[few, small]) / (few * (large - small)))
-    fixed = max(0.0, runs[few, small] - few * per_tensor - few * small * per_element_us)
+    fit = fit_optimizer_step(runs)
     say(
-        f"[calibrate] optimizer step: {fixed:.0f} us per step + {per_tensor:.1f} us per tensor "
-        f"+ {1e3 * per_element_us:.3f} ns per element"
+        f"[calibrate] optimizer step: {fit.step_us:.0f} us per step + {fit.us_per_tensor:.1f} us "
+        f"per tensor + {fit.ns_per_element:.3f} ns per element"
     )
     return {
-        "optimizer_step_us": fixed,
-        "optimizer_us_per_tensor": per_tensor,
-        "optimizer_ns_per_element": 1e3 * per_element_us,
+        "optimizer_step_us": fit.step_us,
+        "optimizer_us_per_tensor": fit.us_per_tensor,
+        "optimizer_ns_per_element": fit.ns_per_element,
     }
 
 

@@ -59,7 +59,8 @@ def reduce_gradients(
                 values[index], routes[index], placements[index]
             ).to_local()
             continue
-        for bucket in _capped(members, values):
+        sizes = [_nbytes(values[i].to_local()) for i in members]
+        for bucket in capped_buckets(members, sizes, BUCKET_CAP_BYTES):
             reduced = _reduce_together([values[i].to_local() for i in bucket], reduction, mesh)
             for index, tensor in zip(bucket, reduced):
                 results[index] = tensor
@@ -73,20 +74,22 @@ above glibc's mmap threshold (32 MiB at most) is fresh pages on every step, whos
 touch runs at a fraction of the memory bandwidth."""
 
 
-def _capped(members: list[int], values: Sequence[DTensor]) -> list[list[int]]:
-    """``members`` in order, cut into runs of at most BUCKET_CAP_BYTES (a larger single
-    gradient gets a run of its own)."""
+def capped_buckets(members: list[int], sizes: list[int], cap: int) -> list[list[int]]:
+    """``members`` in order, cut into runs of at most ``cap`` bytes (``sizes[i]`` is
+    ``members[i]``'s); a single larger member gets a run of its own."""
     buckets: list[list[int]] = [[]]
-    size = 0
-    for index in members:
-        local = values[index].to_local()
-        nbytes = local.numel() * local.element_size()
-        if buckets[-1] and size + nbytes > BUCKET_CAP_BYTES:
+    total = 0
+    for index, nbytes in zip(members, sizes):
+        if buckets[-1] and total + nbytes > cap:
             buckets.append([])
-            size = 0
+            total = 0
         buckets[-1].append(index)
-        size += nbytes
+        total += nbytes
     return buckets
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def coalescable(value: DTensor, route: tuple, target: tuple, mesh: DeviceMesh) -> Reduction | None:

@@ -1,0 +1,134 @@
+"""What a step costs beyond the collectives: fixed cost per op on a synchronous host, small
+matmuls, the optimizer step on each parameter's local shard, and the runtime's gradient
+buckets; plus measure_step beside the plan's prediction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from conftest import meta
+from planning import Replicate, Shard
+
+from autoparallel import AutoParallel, measure_step
+from autoparallel.calibrate.fit import fit_optimizer_step
+from autoparallel.cost.compute import compute_cost_us
+from autoparallel.cost.hardware import CPU
+from autoparallel.models import MLP
+from autoparallel.runtime.coalesce import capped_buckets
+from autoparallel.types.tensors import TensorInfo
+
+aten = torch.ops.aten
+SYNCHRONOUS = dataclasses.replace(
+    CPU, name="host", synchronous_ops=True, kernel_launch_us=10.0, view_op_us=3.0
+)
+
+
+def _add_cost(hardware, numel: int) -> float:
+    x = TensorInfo((numel,), torch.float32)
+    return compute_cost_us(aten.add.Tensor, (x, x), {}, x, hardware)
+
+
+def test_a_synchronous_host_adds_the_fixed_cost_and_charges_views():
+    numel = 1 << 20  # 12 MiB moved: well above the launch cost
+    roofline_us = 3 * 4 * numel / CPU.memory_bandwidth * 1e6
+    assert _add_cost(CPU, numel) == pytest.approx(roofline_us)  # max(roofline, launch)
+    assert _add_cost(SYNCHRONOUS, numel) == pytest.approx(roofline_us + 10.0)
+    assert _add_cost(CPU, 1) == pytest.approx(CPU.kernel_launch_us)
+    x = TensorInfo((4, 8), torch.float32)
+    assert compute_cost_us(aten.view.default, (x, [32]), {}, x, CPU) == 0.0
+    assert compute_cost_us(aten.view.default, (x, [32]), {}, x, SYNCHRONOUS) == 3.0
+
+
+def test_small_matmuls_run_below_the_peak():
+    half = dataclasses.replace(CPU, matmul_half_dim=64.0)  # compute-bound shapes on CPU
+    skinny_a, b = TensorInfo((64, 4096), torch.float32), TensorInfo((4096, 4096), torch.float32)
+    out = TensorInfo((64, 4096), torch.float32)
+    at_peak = compute_cost_us(aten.mm.default, (skinny_a, b), {}, out, CPU)
+    assert at_peak == pytest.approx(2 * 64 * 4096 * 4096 / CPU.flops_fp32 * 1e6)
+    assert compute_cost_us(aten.mm.default, (skinny_a, b), {}, out, half) == pytest.approx(
+        2 * at_peak  # M = 64 = the half dim: half the rate
+    )
+    square = TensorInfo((4096, 4096), torch.float32)
+    slower = compute_cost_us(aten.mm.default, (square, square), {}, square, half)
+    assert slower == pytest.approx(
+        compute_cost_us(aten.mm.default, (square, square), {}, square, CPU) * (4096 + 64) / 4096
+    )
+
+
+def test_the_optimizer_fit_recovers_its_parts():
+    def step_us(tensors, numel):
+        return 500.0 + 40.0 * tensors + 0.006 * tensors * numel
+
+    fit = fit_optimizer_step({(4, 256): step_us(4, 256), (32, 256): step_us(32, 256),
+                              (4, 1 << 20): step_us(4, 1 << 20)})  # fmt: skip
+    assert fit.step_us == pytest.approx(500.0)
+    assert fit.us_per_tensor == pytest.approx(40.0)
+    assert fit.ns_per_element == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="need"):
+        fit_optimizer_step({(4, 256): 1.0})
+
+
+PRICED_OPTIMIZER = dataclasses.replace(
+    CPU,
+    name="cpu-with-optimizer",
+    optimizer_step_us=500.0,
+    optimizer_us_per_tensor=40.0,
+    optimizer_ns_per_element=6.0,
+)
+
+
+@pytest.mark.parametrize("placement, share", [(Replicate(), 1.0), (Shard(0), 0.5)])
+def test_the_optimizer_step_is_priced_on_each_local_shard(fake_mesh, placement, share):
+    model, mesh = meta(lambda: MLP(64, 256)), fake_mesh((2,))
+    with AutoParallel(model, lambda: torch.randn(32, 64), mesh, hardware=PRICED_OPTIMIZER) as autop:
+        autop.add_input_constraints([(Shard(0),)])
+        joint = autop.sharding_optimizer.problem.joint
+        for node in joint.params.values():
+            autop.sharding_optimizer.add_node_constraint(node, (placement,))
+        plan = autop.optimize_placement()
+        data = autop.sharding_optimizer.get_json()
+    numels = [math.prod(node.meta["val"].shape) for node in joint.params.values()]
+    expected = 500.0 + sum(40.0 + share * numel * 6.0 / 1e3 for numel in numels)
+    assert plan.totals.optimizer_us == pytest.approx(expected)
+    assert plan.priced_on == "cpu-with-optimizer"
+    assert data["totals"]["optimizer_us"] == pytest.approx(expected)
+    # the optimizer step is part of compute, and so of the total
+    assert plan.totals.compute_us >= plan.totals.optimizer_us
+    assert plan.totals.total_us == pytest.approx(
+        plan.totals.compute_us + plan.totals.comm_us + plan.totals.transition_us
+    )
+
+
+def test_the_presets_do_not_price_the_optimizer_step(fake_mesh):
+    model, mesh = meta(lambda: MLP(64, 256)), fake_mesh((2,))
+    with AutoParallel(model, lambda: torch.randn(32, 64), mesh, hardware="cpu") as autop:
+        plan = autop.optimize_placement()
+    assert plan.totals.optimizer_us == 0.0 and plan.priced_on == "cpu"
+
+
+def test_gradient_buckets_are_capped_in_order():
+    mib = 1 << 20
+    sizes = [10 * mib, 10 * mib, 10 * mib, 40 * mib, 1 * mib]
+    assert capped_buckets([0, 1, 2, 3, 4], sizes, 25 * mib) == [[0, 1], [2], [3], [4]]
+    assert capped_buckets([7, 8], [mib, mib], 25 * mib) == [[7, 8]]
+
+
+def test_measure_step_times_the_step_beside_the_prediction(fake_mesh):
+    calls = []
+    timing = measure_step(lambda: calls.append(1), None, steps=4, warmup=2)
+    assert len(calls) == 6 and len(timing.step_ms) == 4
+    assert timing.predicted_ms is None and timing.error is None
+    assert str(timing).startswith("measured")
+
+    model, mesh = meta(lambda: MLP(64, 256)), fake_mesh((2,))
+    with AutoParallel(model, lambda: torch.randn(32, 64), mesh, hardware="cpu") as autop:
+        plan = autop.optimize_placement()
+    timing = measure_step(lambda: None, plan, steps=2, warmup=0)
+    assert timing.predicted_ms == pytest.approx(plan.totals.total_us / 1e3)
+    assert timing.first_step_ms is None and timing.error > 0  # a no-op beats any plan
+    assert "priced on cpu" in str(timing)
+    with pytest.raises(ValueError, match="steps >= 1"):
+        measure_step(lambda: None, steps=0)
