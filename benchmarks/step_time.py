@@ -1,10 +1,10 @@
 """Training-step time of autoparallel's parallel module vs torch's FSDP2 and DDP, on gloo CPU.
 
-    python benchmarks/step_time.py --model mlp|llama-tiny --nproc 2 --steps 10 --warmup 3 [--compile]
+    python benchmarks/step_time.py --model mlp|llama-tiny|llama-small --nproc 2 --steps 10 --warmup 3 [--compile]
 
-Every variant trains the same model (same init, seed 0), on the same 1-D mesh of ``--nproc``
-CPU ranks, with the same global batch split by rows (each rank feeds its LOCAL slice), with
-AdamW. A step is zero_grad + forward + loss + backward + optimizer step; its time is the
+Every variant trains the same workload (``benchmarks/workloads.py``: same init, seed 0), on
+the same 1-D mesh of ``--nproc`` CPU ranks, with the same global batch split by rows (each
+rank feeds its LOCAL slice), with AdamW (``foreach=True``, see ``make_optimizer``). A step is zero_grad + forward + loss + backward + optimizer step; its time is the
 slowest rank's, and the figure reported is the median over ``--steps`` steps after
 ``--warmup`` untimed ones. Each variant runs in its own set of processes
 (``autoparallel._testing.harness.run_distributed``), so one failing or hanging variant does not take
@@ -15,8 +15,7 @@ Comparisons, one JSON line each on stdout (children's output goes to stderr):
 * ``memory``: ours planned with ``add_parameter_memory_constraint()`` vs ``fully_shard``.
 * ``free``:   ours planned without a memory constraint vs ``DistributedDataParallel``.
 
-``ratio`` is ours / theirs (below 1: ours is faster). While ``AutoParallel.apply_placement``
-does not exist, ours is reported as unavailable and the baselines are still timed.
+``ratio`` is ours / theirs (below 1: ours is faster).
 
 ``--compile`` also times ours under ``torch.compile(parallel, backend=autoparallel_backend(),
 fullgraph=True)`` (same plan, same steps) and adds it to each line: ``ours_compiled``,
@@ -38,139 +37,49 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 if __package__ in (None, ""):  # run as a script from a checkout: make `autoparallel` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from autoparallel import AutoParallel, autoparallel_backend
+from workloads import (
+    WORKLOADS,
+    build_torch_ddp,
+    build_torch_fsdp2,
+    local_param_bytes,
+    local_rows,
+    loss_of,
+    make_optimizer,
+    plan_ours,
+)
+
+from autoparallel import autoparallel_backend
 from autoparallel._testing.harness import run_distributed
-from autoparallel.models import MLP, Llama, llama_config
 
-MODELS = ("mlp", "llama-tiny")
+MODELS = tuple(WORKLOADS)
 COMPILED = "+compile"
 """Suffix of the variants of ours run under torch.compile(..., backend=autoparallel_backend())."""
-MLP_DIM, MLP_HIDDEN, MLP_BATCH = 512, 2048, 64
-LLAMA_BATCH, LLAMA_SEQ = 8, 32
-LR = 1e-3
-
-
-# ---------------------------------------------------------------------------------- workload
-
-
-def build_model(model_name: str) -> nn.Module:
-    """The uninitialized model, on the ambient default device (use under torch.device("meta"))."""
-    if model_name == "mlp":
-        return MLP(MLP_DIM, MLP_HIDDEN)
-    return Llama(llama_config("tiny"))
-
-
-def global_batch(model_name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(inputs, targets) of the whole global batch, the same on every rank."""
-    generator = torch.Generator().manual_seed(0)
-    if model_name == "mlp":
-        return torch.randn(MLP_BATCH, MLP_DIM, generator=generator), None
-    vocab = llama_config("tiny").vocab_size
-    tokens = torch.randint(0, vocab, (LLAMA_BATCH, LLAMA_SEQ + 1), generator=generator)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def input_fn_for(model_name: str) -> Callable[[], torch.Tensor]:
-    """GLOBAL example inputs for the planner."""
-    return lambda: global_batch(model_name)[0]
-
-
-def loss_of(output: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
-    if targets is None:
-        return output.float().pow(2).mean()
-    return F.cross_entropy(output.flatten(0, 1).float(), targets.flatten())
-
-
-def local_rows(tensor: torch.Tensor | None, rank: int, world_size: int) -> torch.Tensor | None:
-    if tensor is None:
-        return None
-    rows = tensor.shape[0] // world_size
-    return tensor[rank * rows : (rank + 1) * rows]
-
-
-# ---------------------------------------------------------------------------------- variants
 
 
 def _build_ours(
     model_name: str, mesh: Any, memory: bool, hardware: str | None
 ) -> tuple[nn.Module, dict]:
-    from torch.distributed.tensor import Shard
-
-    with torch.device("meta"):
-        model = build_model(model_name)
-    start = time.perf_counter()
-    with AutoParallel(model, input_fn_for(model_name), mesh, hardware=hardware) as autop:
-        autop.add_input_constraints([(Shard(0),)])
-        autop.add_output_constraints([(Shard(0),)])
-        if memory:
-            autop.add_parameter_memory_constraint()
-        plan = autop.optimize_placement()
-        _check_same_plan(plan)
-        parallel = autop.apply_placement(plan)
-    planning_s = time.perf_counter() - start
-    parallel.to_empty(device="cpu")
-    parallel.init_weights(seed=0)
+    planned = plan_ours(WORKLOADS[model_name], mesh, hardware=hardware, memory_constraint=memory)
+    plan = planned.plan
     placements = sorted({str(p) for p in plan.param_placements.values()})
-    return parallel, {
-        "planning_s": round(planning_s, 3),
+    return planned.module, {
+        "planning_s": round(planned.planning_s, 3),
         "predicted_ms": round(plan.totals.total_us / 1e3, 3),
-        "priced_on": autop.topology.hardware.name,
+        "priced_on": plan.priced_on,
         "param_placements": placements,
         "buckets": [f"{b.description} x{b.tensors}" for b in plan.buckets],
     }
-
-
-def _check_same_plan(plan: Any) -> None:
-    """Every rank plans on its own: make sure they all chose the same placements."""
-    mine = {name: str(p) for name, p in plan.param_placements.items()}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if any(other != mine for other in everyone):
-        raise RuntimeError(
-            "ranks planned different parameter placements; the solve is not deterministic"
-        )
-
-
-def _build_fsdp2(model_name: str, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    with torch.device("meta"):
-        model = build_model(model_name)
-    if isinstance(model, Llama):
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return model
-
-
-def _build_ddp(model_name: str) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = build_model(model_name)  # plain CPU tensors
-    model.init_weights(seed=0)
-    return DistributedDataParallel(model)
-
-
-def _local_param_bytes(model: nn.Module) -> int:
-    total = 0
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        total += local.numel() * local.element_size()
-    return total
 
 
 def time_variant(
@@ -189,14 +98,15 @@ def time_variant(
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world_size,))
     extra: dict = {}
+    workload = WORKLOADS[model_name]
     if variant == "fsdp2":
-        model = _build_fsdp2(model_name, mesh)
+        model = build_torch_fsdp2(workload, mesh)
     elif variant == "ddp":
-        model = _build_ddp(model_name)
+        model = build_torch_ddp(workload)
     else:
         memory = variant.startswith("ours-memory")
         model, extra = _build_ours(model_name, mesh, memory=memory, hardware=hardware)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = make_optimizer(model)
     # Compiled variants: the first call compiles the forward, the first backward() the
     # backward, both inside the (untimed) warm-up steps.
     run = (
@@ -205,7 +115,7 @@ def time_variant(
         else model
     )
     compiles = _CompileCounter()
-    inputs, targets = global_batch(model_name)
+    inputs, targets = workload.global_batch()
     inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
     times, losses = [], []
     for step in range(warmup + steps):
@@ -237,7 +147,7 @@ def time_variant(
         "first_step_ms": round(1e3 * first[0].item(), 1) if warmup else None,
         "loss_first": global_loss[0].item() / world_size,
         "loss_last": global_loss[-1].item() / world_size,
-        "param_bytes_per_rank": _local_param_bytes(model),
+        "param_bytes_per_rank": local_param_bytes(model),
         **extra,
     }
 
@@ -337,29 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile and args.warmup < 1:
         parser.error("--compile needs --warmup >= 1: the first step compiles and must not be timed")
 
-    ours_available = hasattr(AutoParallel, "apply_placement")
     comparisons = [("memory", "ours-memory", "fsdp2"), ("free", "ours-free", "ddp")]
     failed = False
     for comparison, ours_variant, theirs_variant in comparisons:
-        if ours_available:
-            ours = run_variant(ours_variant, args)
-        else:
-            ours = {
-                "status": "unavailable",
-                "reason": "AutoParallel.apply_placement does not exist yet",
-            }
+        ours = run_variant(ours_variant, args)
         theirs = run_variant(theirs_variant, args)
         failed |= ours["status"] == "error" or theirs["status"] == "error"
         ratio = _ratio(ours, theirs)
         compiled = None
         if args.compile:
-            if ours_available:
-                compiled = run_variant(ours_variant + COMPILED, args)
-            else:
-                compiled = {
-                    "status": "unavailable",
-                    "reason": "AutoParallel.apply_placement does not exist yet",
-                }
+            compiled = run_variant(ours_variant + COMPILED, args)
             failed |= compiled["status"] == "error"
         line = {
             "model": args.model,

@@ -26,6 +26,7 @@ GLOO_LIKE = dataclasses.replace(
     flops_bf16=1e9,
     memory_bandwidth=12e9,
     kernel_launch_us=6.0,
+    synchronous_ops=True,  # a CPU host: fixed cost per op added, bucket copies priced
     intra_node_latency_us=500.0,
     intra_node_bandwidth=1e9,
 )
@@ -66,6 +67,7 @@ def test_the_free_plan_of_a_small_llama_is_ddp_with_one_gradient_bucket(fake_mes
         assert argument.route == ()
         nbytes = _nbytes(autop, argument.producer)
         copy_in = 2 * nbytes / topology.hardware.memory_bandwidth * 1e6  # into the flat buffer
+        copy_in *= topology.hardware.synchronous_ops  # priced on a synchronous host only
         bandwidth_only = all_reduce_us(nbytes, 0, topology)
         assert argument.comm_us == pytest.approx(bandwidth_only - bucket.latency_us + copy_in)
     arguments = sum(n.comm_us for n in plan.nodes.values())
@@ -137,5 +139,6 @@ def test_gather_prices_are_the_bandwidth_of_the_step(fake_mesh):
     for argument in gathers:
         nbytes = _nbytes(autop, argument.producer)
         copy_in = 2 * (nbytes / 4) / topology.hardware.memory_bandwidth * 1e6  # this rank's shard
+        copy_in *= topology.hardware.synchronous_ops  # priced on a synchronous host only
         full = all_gather_us(nbytes, 0, topology)
         assert argument.comm_us == pytest.approx(full - latency + copy_in)

@@ -170,7 +170,25 @@ def _totals_section(data: Mapping[str, Any]) -> str:
     return t.section(
         "totals",
         "Totals",
-        f'<div class="cards">{"".join(cards)}</div>{bar}<p class="legend">{legend}</p>',
+        f'<div class="cards">{"".join(cards)}</div>{bar}<p class="legend">{legend}</p>'
+        + _prediction_note(totals),
+    )
+
+
+def _prediction_note(totals: Mapping[str, Any]) -> str:
+    """What the total is a prediction of, and what it was priced on."""
+    optimizer = t.num(totals.get("optimizer_us")) or 0.0
+    priced_on = totals.get("priced_on")
+    step = (
+        f"of which the optimizer step {t.us(optimizer)}"
+        if optimizer > 0
+        else "the optimizer step not priced"
+    )
+    where = f", priced on <code>{t.esc(priced_on)}</code>" if priced_on else ""
+    return (
+        f'<p class="legend">The total is the predicted time of one training step (forward and '
+        f"backward; {step}){where}. Check it on your cluster with "
+        "<code>autoparallel.measure_step</code>.</p>"
     )
 
 
