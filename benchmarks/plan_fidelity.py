@@ -1,16 +1,17 @@
 """Predicted vs measured step time of our plans, pinned to the hand recipes and free.
 
     python benchmarks/plan_fidelity.py --hardware profile.json [--models mlp llama-tiny llama-small]
-        [--nproc 2 4] [--steps 5] [--warmup 3] [--recipes free ddp fsdp tp] [--no-torch]
+        [--nproc 2 4] [--steps 5] [--rounds 3] [--warmup 3] [--recipes free ddp fsdp tp] [--no-torch]
 
 ``profile.json`` comes from ``autoparallel calibrate --nproc 2 --out profile.json`` on the same
 machine (the default, the ``cpu`` preset, is not this machine). For every model and every
 rank count, one set of gloo ranks plans the model under that hardware once per recipe (see
 ``benchmarks/workloads.py``: ``ddp``, ``fsdp``, ``tp`` pinned with node constraints on the
-parameters, ``free`` the planner's choice), trains each plan ``--warmup`` untimed and
-``--steps`` timed AdamW steps and takes the slowest rank's median
-(:func:`autoparallel.measure_step`); torch's own DDP and FSDP2 run the same steps as a
-yardstick. Output: one JSON line per model and rank count, then a table per model:
+parameters, ``free`` the planner's choice) and builds torch's own DDP and FSDP2 as a
+yardstick; then it times them round-robin, ``--rounds`` rounds of ``--steps`` AdamW steps
+each (after ``--warmup`` untimed ones), so a slow spell of this shared machine falls on all
+of them, and takes each one's median step of the slowest rank
+(:func:`autoparallel.measure_step`). Output: one JSON line per model and rank count, then a table per model:
 
 * ``predicted``: the plan's ``totals.total_us``; ``measured``: the median step; ``error``:
   (predicted - measured) / measured;
@@ -29,9 +30,13 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,23 +61,34 @@ from autoparallel._testing.harness import run_distributed
 TORCH_VARIANTS = ("torch-ddp", "torch-fsdp2")
 
 
-def _time_variant(
-    variant: str, workload_name: str, mesh: object, rank: int, world_size: int, args: dict
-) -> dict:
+@dataclass
+class _Variant:
+    """One variant built on this rank, ready to step."""
+
+    step: Callable[[], None]
+    plan: Any
+    losses: list[float]
+    info: dict
+
+
+def _build_variant(
+    variant: str, workload_name: str, mesh: object, rank: int, world_size: int, hardware: str
+) -> _Variant:
     workload = WORKLOADS[workload_name]
-    result: dict = {}
+    info: dict = {}
     plan = None
     if variant == "torch-ddp":
         model = build_torch_ddp(workload)
     elif variant == "torch-fsdp2":
         model = build_torch_fsdp2(workload, mesh)
     else:
-        planned = plan_ours(workload, mesh, recipe=variant, hardware=args["hardware"])
+        planned = plan_ours(workload, mesh, recipe=variant, hardware=hardware)
         model, plan = planned.module, planned.plan
-        result["planning_s"] = round(planned.planning_s, 2)
-        result["placements"] = sorted({str(p) for p in plan.param_placements.values()})
-        result["totals_ms"] = {
+        info["planning_s"] = round(planned.planning_s, 2)
+        info["placements"] = sorted({str(p) for p in plan.param_placements.values()})
+        info["totals_ms"] = {
             "compute": round(plan.totals.compute_us / 1e3, 3),
+            "optimizer": round(plan.totals.optimizer_us / 1e3, 3),
             "comm": round(plan.totals.comm_us / 1e3, 3),
             "transition": round(plan.totals.transition_us / 1e3, 3),
         }
@@ -82,35 +98,47 @@ def _time_variant(
     losses: list[float] = []
     scale = 1.0 / world_size if plan is not None else 1.0
     step = training_step(model, make_optimizer(model), inputs, targets, scale, losses)
-    timing = measure_step(step, plan, steps=args["steps"], warmup=args["warmup"])
-    result.update(
-        measured_ms=round(timing.median_ms, 3),
-        predicted_ms=round(timing.predicted_ms, 3) if timing.predicted_ms is not None else None,
-        priced_on=timing.priced_on,
-        loss_last=losses[-1],
-    )
-    return result
+    return _Variant(step, plan, losses, info)
 
 
 def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) -> dict:
-    """One rank: every variant in turn, in the same order on every rank."""
+    """One rank: build every variant, then time them round-robin (``rounds`` rounds of
+    ``steps`` steps each, the first round after ``warmup`` untimed steps), so a slow spell
+    of the machine falls on every variant alike. The same order on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     os.dup2(2, 1)  # keep the parent's stdout for the report (HiGHS prints a banner)
     mesh = init_device_mesh("cpu", (world_size,))
-    results = {}
+    built: dict[str, _Variant] = {}
+    results: dict[str, dict] = {}
     for variant in args["variants"]:
         torch.manual_seed(0)
         try:
-            results[variant] = {
-                "status": "ok",
-                **_time_variant(variant, workload_name, mesh, rank, world_size, args),
-            }
+            built[variant] = _build_variant(
+                variant, workload_name, mesh, rank, world_size, args["hardware"]
+            )
         except Exception as exc:  # a failing variant must not hide the others' figures
             traceback.print_exc()
             results[variant] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
-        gc.collect()
-    return results
+    times: dict[str, list[float]] = {variant: [] for variant in built}
+    for round_index in range(args["rounds"]):
+        warmup = args["warmup"] if round_index == 0 else 0
+        for variant, run in built.items():
+            timing = measure_step(run.step, run.plan, steps=args["steps"], warmup=warmup)
+            times[variant] += timing.step_ms
+    for variant, run in built.items():
+        predicted = run.plan.totals.total_us / 1e3 if run.plan is not None else None
+        results[variant] = {
+            "status": "ok",
+            "measured_ms": round(statistics.median(times[variant]), 3),
+            "predicted_ms": round(predicted, 3) if predicted is not None else None,
+            "priced_on": run.plan.priced_on if run.plan is not None else None,
+            "loss_last": run.losses[-1],
+            **run.info,
+        }
+    del built
+    gc.collect()
+    return {variant: results[variant] for variant in args["variants"]}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
@@ -192,15 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", nargs="+", type=int, default=[2])
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--no-torch", action="store_true", help="skip torch's DDP and FSDP2")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="round-robin rounds over the variants"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--hardware", default="cpu", help="preset name or calibrated profile.json")
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds per model and rank count"
     )
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1:
-        parser.error("need --steps >= 1 and --warmup >= 1 (the first step traces the local graphs)")
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
+        parser.error(
+            "need --steps >= 1, --rounds >= 1 and --warmup >= 1 (the first step traces the local graphs)"
+        )
     if args.hardware == "cpu":
         print(
             "[plan_fidelity] pricing on the 'cpu' preset; calibrate this machine first "
@@ -209,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     variants = list(args.recipes) + ([] if args.no_torch else list(TORCH_VARIANTS))
     settings = {
+        "rounds": args.rounds,
         "variants": variants,
         "steps": args.steps,
         "warmup": args.warmup,
