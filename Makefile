@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 tests
 
 # ruff, configured in pyproject.toml: lint rules and the formatter's check (`make format` fixes)
 lint: $(VENV)/.installed
