@@ -97,7 +97,7 @@ def _header(data: Mapping[str, Any]) -> str:
         ("mesh", f"({mesh_text}), {devices} devices"),
         (
             "hardware",
-            f"{hardware.get('name', '-')}, {hardware.get('gpus_per_node', '-')} GPUs per node",
+            f"{hardware.get('name', '-')}, {hardware.get('gpus_per_node', '-')} devices per node",
         ),
     ]
     facts += [("priced on", line) for line in hardware_lines(data)]

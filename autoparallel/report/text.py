@@ -108,7 +108,7 @@ def _header_lines(data: Mapping[str, Any]) -> list[str]:
     inputs = f", batch {run['batch']} x seq {run['seq']}" if "batch" in run else ""
     mesh_text = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
     lines = [
-        f"{what}{inputs}, mesh ({mesh_text}), {hardware.get('name', '-')} with {hardware.get('gpus_per_node', '-')} GPUs per node"
+        f"{what}{inputs}, mesh ({mesh_text}), {hardware.get('name', '-')} with {hardware.get('gpus_per_node', '-')} devices per node"
     ]
     if "memory_budget" in run:  # a plan made by `autoparallel plan` (not a saved problem's JSON)
         lines.append(f"memory budget: {run['memory_budget']}")
