@@ -35,7 +35,6 @@ import logging
 import os
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -54,12 +53,12 @@ from workloads import (
     build_torch_fsdp2,
     local_param_bytes,
     local_rows,
-    loss_of,
     make_optimizer,
     plan_ours,
+    training_step,
 )
 
-from autoparallel import autoparallel_backend
+from autoparallel import autoparallel_backend, measure_step
 from autoparallel._testing.harness import run_distributed
 
 MODELS = tuple(WORKLOADS)
@@ -117,34 +116,21 @@ def time_variant(
     compiles = _CompileCounter()
     inputs, targets = workload.global_batch()
     inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
-    times, losses = [], []
-    for step in range(warmup + steps):
-        if step == warmup:
-            compiles_in_warmup = compiles.count
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_of(run(inputs), targets)
-        # Our module's gradients are those of the SUM of the ranks' losses (it computes the
-        # global model); FSDP2/DDP average. Scaling by 1/world_size gives both the same
-        # gradients of the global mean loss.
-        (loss / world_size if variant.startswith("ours") else loss).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    slowest = torch.tensor(times[warmup:], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    losses: list[float] = []
+    scale = 1.0 / world_size if variant.startswith("ours") else 1.0  # see training_step
+    step = training_step(run, optimizer, inputs, targets, scale, losses)
+    warm = measure_step(step, steps=warmup, warmup=0) if warmup else None
+    compiles_in_warmup = compiles.count
+    timed = measure_step(step, steps=steps, warmup=0)
     global_loss = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(global_loss)  # gloo has no ReduceOp.AVG
     if variant.endswith(COMPILED):  # a compile inside the timed steps would spoil the median
         extra["graphs_compiled"] = compiles.count
         extra["compiled_in_timed_steps"] = compiles.count - compiles_in_warmup
     compiles.close()
-    first = torch.tensor(times[:1], dtype=torch.float64)
-    dist.all_reduce(first, op=dist.ReduceOp.MAX)
     return {
-        "step_s": slowest.tolist(),
-        "first_step_ms": round(1e3 * first[0].item(), 1) if warmup else None,
+        "step_s": [ms / 1e3 for ms in timed.step_ms],
+        "first_step_ms": round(warm.step_ms[0], 1) if warm is not None else None,
         "loss_first": global_loss[0].item() / world_size,
         "loss_last": global_loss[-1].item() / world_size,
         "param_bytes_per_rank": local_param_bytes(model),

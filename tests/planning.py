@@ -10,6 +10,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autoparallel import AutoParallel
 from autoparallel.types.plan import Plan
 
+TINY_PLAN_ARGS = ("plan", "--model", "tiny", "--mesh", "2", "--batch", "8", "--seq", "32")
+"""``autoparallel plan`` of the tiny LLaMA on 2 fake ranks; tests add their own flags."""
+
 
 def batch_sharded(mesh_ndim: int) -> tuple:
     return (Shard(0),) + (Replicate(),) * (mesh_ndim - 1)

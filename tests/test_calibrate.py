@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 from conftest import meta
-from planning import Replicate, Shard
+from planning import TINY_PLAN_ARGS, Replicate, Shard
 from torch.distributed.tensor import Partial
 
 from autoparallel import AutoParallel
@@ -173,39 +173,8 @@ def test_the_cli_plans_on_a_profile_and_refuses_a_missing_one(tmp_path):
     out = tmp_path / "plan.json"
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(
-            [
-                "plan",
-                "--model",
-                "tiny",
-                "--mesh",
-                "2",
-                "--batch",
-                "8",
-                "--seq",
-                "32",
-                "--hardware",
-                str(path),
-                "--no-save",
-                "--out",
-                str(out),
-            ]
-        )
-        missing = main(
-            [
-                "plan",
-                "--model",
-                "tiny",
-                "--mesh",
-                "2",
-                "--batch",
-                "8",
-                "--seq",
-                "32",
-                "--hardware",
-                str(tmp_path / "nope.json"),
-            ]
-        )
+        code = main([*TINY_PLAN_ARGS, "--hardware", str(path), "--no-save", "--out", str(out)])
+        missing = main([*TINY_PLAN_ARGS, "--hardware", str(tmp_path / "nope.json")])
         unlaunched = main(["calibrate", "--out", str(tmp_path / "p.json")])
     assert code == 0, stderr.getvalue()
     assert json.loads(out.read_text())["hardware"]["name"] == "my-cluster"

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from planning import TINY_PLAN_ARGS
 
 from autoparallel.files.plan_json import (
     READ_VERSIONS,
@@ -332,15 +333,7 @@ def test_cli_says_when_identical_layers_were_traced_once(tmp_path: Path) -> None
 def test_cli_plans_in_mixed_precision(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     result = run_cli(
-        "plan",
-        "--model",
-        "tiny",
-        "--mesh",
-        "2",
-        "--batch",
-        "8",
-        "--seq",
-        "32",
+        *TINY_PLAN_ARGS,
         "--param-dtype",
         "bf16",
         "--reduce-dtype",
@@ -383,15 +376,7 @@ def test_cli_bad_arguments(args: list[str], needle: str) -> None:
 
 def test_cli_save_and_no_save_exclude_each_other(tmp_path: Path) -> None:
     result = run_cli(
-        "plan",
-        "--model",
-        "tiny",
-        "--mesh",
-        "2",
-        "--batch",
-        "8",
-        "--seq",
-        "32",
+        *TINY_PLAN_ARGS,
         "--save",
         str(tmp_path / "p.npz"),
         "--no-save",

@@ -232,15 +232,7 @@ def _time_device(
     )
     figures["memory_bandwidth"] = bandwidth
     figures["view_op_us"] = measure.view_op_us(settings.repeats, device)
-    priced_so_far = dataclasses.replace(
-        CPU,
-        flops_fp32=figures["flops_fp32"],
-        flops_bf16=figures["flops_bf16"],
-        memory_bandwidth=bandwidth,
-        synchronous_ops=device.type == "cpu",
-        view_op_us=figures["view_op_us"] if device.type == "cpu" else 0.0,
-        matmul_half_dim=figures["matmul_half_dim"],
-    )
+    priced_so_far = dataclasses.replace(CPU, **_device_model(device, figures))
     figures["kernel_launch_us"] = measure.op_overhead_us(settings.repeats, device, priced_so_far)
     samples.append({"what": "op_overhead", "time_us": figures["kernel_launch_us"]})
     samples.append({"what": "view_op", "time_us": figures["view_op_us"]})
@@ -284,6 +276,20 @@ def _time_optimizer(
     }
 
 
+def _device_model(device: torch.device, figures: dict[str, float]) -> dict[str, Any]:
+    """The ``Hardware`` fields of how ops run on ``device``, from the figures measured so far:
+    a CPU host runs its ops synchronously (views cost its dispatch); a GPU does not."""
+    synchronous = device.type == "cpu"
+    return {
+        "flops_fp32": figures["flops_fp32"],
+        "flops_bf16": figures["flops_bf16"],
+        "memory_bandwidth": figures["memory_bandwidth"],
+        "synchronous_ops": synchronous,
+        "view_op_us": figures["view_op_us"] if synchronous else 0.0,
+        "matmul_half_dim": figures["matmul_half_dim"],
+    }
+
+
 def _hardware(
     settings: CalibrationSettings,
     device: torch.device,
@@ -303,17 +309,12 @@ def _hardware(
     name = settings.name or f"{device.type}-{dist.get_backend()}-{platform.node() or 'host'}"
     return Hardware(
         name=name,
-        flops_fp32=figures["flops_fp32"],
-        flops_bf16=figures["flops_bf16"],
-        memory_bandwidth=figures["memory_bandwidth"],
+        **_device_model(device, figures),
         intra_node_bandwidth=intra.bandwidth if intra else CPU.intra_node_bandwidth,
         inter_node_bandwidth=inter.bandwidth if inter else CPU.inter_node_bandwidth,
         intra_node_latency_us=intra.latency_us if intra else CPU.intra_node_latency_us,
         inter_node_latency_us=inter.latency_us if inter else CPU.inter_node_latency_us,
         kernel_launch_us=figures["kernel_launch_us"],
-        synchronous_ops=device.type == "cpu",
-        view_op_us=figures["view_op_us"] if device.type == "cpu" else 0.0,
-        matmul_half_dim=figures["matmul_half_dim"],
         optimizer_step_us=figures["optimizer_step_us"],
         optimizer_us_per_tensor=figures["optimizer_us_per_tensor"],
         optimizer_ns_per_element=figures["optimizer_ns_per_element"],

@@ -59,9 +59,10 @@ def reduce_gradients(
                 values[index], routes[index], placements[index]
             ).to_local()
             continue
-        sizes = [_nbytes(values[i].to_local()) for i in members]
+        local = {i: values[i].to_local() for i in members}  # once: each is a traced op
+        sizes = [_nbytes(local[i]) for i in members]
         for bucket in capped_buckets(members, sizes, BUCKET_CAP_BYTES):
-            reduced = _reduce_together([values[i].to_local() for i in bucket], reduction, mesh)
+            reduced = _reduce_together([local[i] for i in bucket], reduction, mesh)
             for index, tensor in zip(bucket, reduced):
                 results[index] = tensor
     return results  # type: ignore[return-value]
