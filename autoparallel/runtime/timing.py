@@ -6,7 +6,7 @@ hardware prices it, the optimizer step) should take on the hardware it was price
 rank's median beside that promise, so a user can check it on their own model and cluster::
 
     timing = autoparallel.measure_step(train_step, plan, steps=10, warmup=3)
-    print(timing)  # measured 43.1 ms, predicted 40.2 ms (-7 %), priced on cpu-gloo-vm
+    print(timing)  # e.g. measured 504.74 ms, predicted 389.78 ms (-23 %), priced on cpu-gloo-vm
 
 Every rank must call it (it synchronizes the ranks with a barrier before each step and takes
 the slowest rank's time, as the slowest rank sets the pace of synchronous training).
