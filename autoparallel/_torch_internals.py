@@ -21,6 +21,7 @@ from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor._api import DTensor
+from torch.distributed.tensor._collective_utils import shard_dim_alltoall as _shard_dim_alltoall
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
@@ -83,6 +84,14 @@ def reduce_scatter_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.
     """This rank's block of the sum of ``tensor`` over the ranks of ``mesh_dim``, where
     rank r (its coordinate along ``mesh_dim``) gets the r-th of equal blocks along dim 0."""
     return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(tensor, "sum", 0, (mesh, mesh_dim)))
+
+
+def shard_to_shard(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """This rank's local tensor after DTensor's ``Shard(0) -> Shard(1)`` along ``mesh_dim``,
+    issued as DTensor issues it: an all-to-all, except on CPU meshes, where DTensor falls back
+    to an all-gather and a chunk copy (gloo has no functional all-to-all). Calibration times
+    this private DTensor function so that the all-to-all it fits is the one the runtime runs."""
+    return _shard_dim_alltoall(tensor, 0, 1, mesh, mesh_dim)
 
 
 # ---------------------------------------------------------------------------- DTensor wrappers

@@ -166,3 +166,26 @@ def test_parameters_are_gathered_a_layer_at_a_time(ranks):
         assert result["error"] == 0.0
         assert result["placements"] == ["(Replicate(),)"]
         assert result["released"]
+
+
+def test_identity_views_leave_the_local_graph():
+    """The views DTensor wrapping leaves (an input viewed as its own shape) are dropped from
+    a traced phase; a view that changes the shape, and one returned as an output, stay."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoparallel.runtime.local_graph import drop_identity_views
+
+    def phase(a):
+        same = a.view(a.shape)
+        flat = same.view(-1)
+        return [same * 2, flat, a.view(a.shape)]
+
+    graph_module = make_fx(phase)(torch.ones(3, 4))
+    assert drop_identity_views(graph_module) == 1
+    views = [n for n in graph_module.graph.nodes if n.target == torch.ops.aten.view.default]
+    assert [tuple(n.meta["val"].shape) for n in views] == [(12,), (3, 4)]
+    doubled, flat, returned = graph_module(torch.arange(12.0).view(3, 4))
+    assert torch.equal(doubled, torch.arange(12.0).view(3, 4) * 2)
+    assert torch.equal(flat, torch.arange(12.0))
+    assert returned.shape == (3, 4)

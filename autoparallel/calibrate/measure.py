@@ -2,7 +2,8 @@
 
 Collectives are timed per mesh dim as the runtime issues them: torch's functional
 collectives (out of place, then waited on; ``_torch_internals``) for all-gather,
-reduce-scatter and all-reduce, and c10d's ``all_to_all_single`` on that dim's group. Device figures are timed on every rank
+reduce-scatter and all-reduce, and DTensor's own shard-to-shard move for the all-to-all (on a CPU
+mesh DTensor runs it as an all-gather and a chunk copy, and that is what the runtime pays). Device figures are timed on every rank
 at once, as training runs them (ranks share the host's cores and memory on a CPU cluster), and
 the slowest rank's time counts, as the slowest rank sets a step's time.
 
@@ -82,18 +83,18 @@ def time_collective(
     all-gather, the unscattered input of a reduce-scatter, the buffer of an all-reduce, each
     rank's local buffer of an all-to-all.
     """
-    group = mesh.get_group(mesh_dim)
     ranks = mesh.size(mesh_dim)
     device = torch.device(mesh.device_type)
-    numel = max(ranks, nbytes // _ELEMENT.itemsize // ranks * ranks)
+    # a multiple of ranks**2 elements: the all-to-all's [ranks, n] block splits its columns
+    numel = max(ranks * ranks, nbytes // _ELEMENT.itemsize // (ranks * ranks) * ranks * ranks)
     full = torch.ones(numel, dtype=_ELEMENT, device=device)
     part = torch.ones(numel // ranks, dtype=_ELEMENT, device=device)
-    out = torch.empty_like(full)
+    block = full.view(ranks, numel // ranks)
     calls: dict[str, Callable[[], object]] = {
         "all_gather": lambda: internals.all_gather_rows(part, mesh, mesh_dim),
         "reduce_scatter": lambda: internals.reduce_scatter_sum(full, mesh, mesh_dim),
         "all_reduce": lambda: internals.all_reduce_sum(full, mesh, mesh_dim),
-        "all_to_all": lambda: dist.all_to_all_single(out, full, group=group),
+        "all_to_all": lambda: internals.shard_to_shard(block, mesh, mesh_dim),
     }
     dist.barrier()
     median = _median_us(calls[collective], repeats, device)

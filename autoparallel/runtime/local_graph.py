@@ -6,6 +6,10 @@ with ``make_fx`` on this rank's real tensors: DTensor's dispatch and redistribut
 into plain ATen ops on local shapes and torch's functional collectives
 (``_c10d_functional.all_gather_into_tensor`` and friends). Later calls run that graph.
 
+Wrapping local tensors as DTensors (the phase's inputs, the saved values) leaves one view of
+each input to its own shape in the trace; :func:`drop_identity_views` removes them, since on
+a CPU every op of the local graph costs its Python dispatch.
+
 Tracing runs the phase once (with its collectives) on real data; every rank reaches the
 first call together, as in any SPMD program, so the collectives match.
 
@@ -89,4 +93,41 @@ class TracedPhase:
     @torch.compiler.disable
     def _trace(self, *tensors: torch.Tensor) -> None:
         with torch.no_grad():
-            self.graph_module = make_fx(self.function)(*tensors)
+            graph_module = make_fx(self.function)(*tensors)
+        drop_identity_views(graph_module)
+        self.graph_module = graph_module
+
+
+_ALIAS_OPS = (torch.ops.aten.view.default, torch.ops.aten.alias.default)
+
+
+def drop_identity_views(graph_module: fx.GraphModule) -> int:
+    """Remove views that return their input's own shape and strides (aliases of it), feeding
+    their users the input itself; returns how many were removed.
+
+    Such a view is the same memory read the same way, so an op reading it, or writing into
+    it in place, sees exactly what it would on the input. A view that is a graph output is
+    kept: the caller gets a new tensor object, as before.
+    """
+    removed = 0
+    for node in list(graph_module.graph.nodes):
+        if node.op != "call_function" or node.target not in _ALIAS_OPS:
+            continue
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or not _same_layout(source, node):
+            continue
+        if any(user.op == "output" for user in node.users):
+            continue
+        node.replace_all_uses_with(source)
+        graph_module.graph.erase_node(node)
+        removed += 1
+    if removed:
+        graph_module.recompile()
+    return removed
+
+
+def _same_layout(source: fx.Node, view: fx.Node) -> bool:
+    before, after = source.meta.get("val"), view.meta.get("val")
+    if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
+        return False
+    return before.shape == after.shape and before.stride() == after.stride()
