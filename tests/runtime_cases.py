@@ -72,9 +72,23 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
             )
             optimizer.add_node_constraint(params[column], (Replicate(), Shard(0)))
             optimizer.add_node_constraint(params[row], (Replicate(), Shard(1)))
+        if kind == "gathered-heads":
+            _gather_heads_before_transpose(autop.sharding_optimizer)
         plan = autop.optimize_placement()
         parallel = autop.apply_placement(plan)
     return plan, parallel
+
+
+def _gather_heads_before_transpose(optimizer) -> None:
+    """Attention computed sharded on heads and gathered BEFORE the transpose back to
+    [batch, seq, heads, head_dim]: the gathered copy is contiguous in the head-major order,
+    so the traced ``view`` that merges heads (legal on the traced strides) needs a copy."""
+    graph = optimizer.problem.joint.graph
+    attention = next(n for n in graph.nodes if "scaled_dot_product" in str(n.target))
+    output = next(u for u in attention.users if u.args[1] == 0)  # getitem 0: the output
+    transpose = next(u for u in output.users if "transpose" in str(u.target))
+    optimizer.add_node_constraint(output, (Shard(1),), name="heads sharded")
+    optimizer.add_node_constraint(transpose, (Replicate(),), name="gathered before transpose")
 
 
 def _local_rows(batch: torch.Tensor, mesh) -> torch.Tensor:
@@ -148,6 +162,10 @@ def _train(
         1
         for _, a in plan.redistributions()
         if "P" in placement_str(a.src) and "P" not in placement_str(a.dst)
+    )
+    result["heads_gathered"] = any(
+        "transpose" in consumer and placement_str(a.src) == "S(1)" and placement_str(a.dst) == "R"
+        for consumer, a in plan.redistributions()
     )
     for step, batch in enumerate(global_batches(model_name)):
         local = _local_rows(batch, mesh)

@@ -59,6 +59,7 @@ def _max_error(a: dict, b: dict) -> float:
         ("mlp", (2, 2), "tp", False),
         ("llama", (2,), "fsdp", False),
         ("llama", (2, 2), "tp", False),
+        ("llama", (2,), "gathered-heads", False),  # a traced view on a gathered copy
         ("llama-deep", (2,), "fsdp", False),  # its graph is built from 3 and 4 traced layers
         # torch.compile(..., backend=autoparallel_backend(), fullgraph=True): Inductor's C++ path
         ("mlp", (2, 2), "tp", True),
@@ -81,6 +82,8 @@ def test_parallel_training_matches_single_device(
     elif kind == "ddp":
         assert set(placements.values()) == {"R"}
         assert rank0["all_reduces"] >= 1  # gradients are summed across ranks
+    elif kind == "gathered-heads":
+        assert rank0["heads_gathered"]
     elif kind == "fsdp":
         assert all("S(" in p for p in placements.values() if p), placements
     else:

@@ -14,6 +14,12 @@ Each node is evaluated on DTensors carrying the planned placements:
    or the replicate fallback cover (their strategies are local by construction);
 3. if DTensor produced a placement other than the planned one, it is redistributed to the
    plan, so downstream nodes always see what the solver priced.
+
+A redistribution returns a fresh tensor laid out in its logical order, so the strides an op
+sees at run time may differ from the trace: a ``view`` that was legal on the traced strides
+(a transposed attention output) may not be on a gathered copy. The graph is functional (no
+op writes through an alias), so a ``view`` whose input is not contiguous at run time gets a
+contiguous copy of it (what ``reshape`` would do; DTensor runs ``reshape`` as a local view).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
+from autoparallel import _torch_internals as internals
 from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
 from autoparallel.trace.fx_args import tensor_input_nodes
 from autoparallel.trace.sharding_constraint import sharding_constraint_op
@@ -39,6 +46,9 @@ from autoparallel.types.placements import is_multi
 from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
+
+_STRIDED_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+"""Views that need their input's strides to allow them (see the module doc)."""
 
 
 @dataclass
@@ -212,6 +222,8 @@ class JointExecutor:
             return self._conform(args[0], program.output_placements)
         if "device" in kwargs:
             kwargs["device"] = self.device
+        if node.target in _STRIDED_VIEWS:
+            args = (_contiguous(args[0]), *args[1:])
         result = node.target(*args, **kwargs)
         return self._conform(result, program.output_placements)
 
@@ -225,6 +237,23 @@ class JointExecutor:
         if isinstance(result, DTensor):
             return redistribute(result, planned)
         return DTensor.from_local(result, self.mesh, planned, run_check=False)
+
+
+def _contiguous(value: Any) -> Any:
+    """``value`` with a contiguous local tensor (a DTensor's own ``contiguous()`` reads the
+    global strides it was built with, not its local tensor's)."""
+    if not isinstance(value, DTensor):
+        return value.contiguous()
+    if internals.local_tensor_of(value).is_contiguous():  # no traced op for the check
+        return value
+    return DTensor.from_local(
+        value.to_local().contiguous(),
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
 
 
 def redistribute_along(value: DTensor, route: Sequence, placements: Sequence) -> DTensor:
