@@ -176,12 +176,16 @@ def _block_joint(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor,
     return torch.autograd.grad(loss, (x, *weights))
 
 
-def op_overhead_us(repeats: int, device: torch.device, roofline_hardware: Hardware) -> float:
-    """The fixed cost of one op as the runtime runs it: the joint forward+backward graph of
-    a small transformer block, traced with ``make_fx`` (as ``runtime/local_graph.py`` traces
-    the runtime's graphs) and timed whole, less what the cost model charges it without a
-    fixed cost per op (the roofline of every op and ``view_op_us`` per view, priced on
-    ``roofline_hardware``), per non-view op (slowest rank)."""
+def op_overhead_us(
+    repeats: int, device: torch.device, roofline_hardware: Hardware, rounds: int = 1
+) -> list[float]:
+    """The fixed cost of one op as the runtime runs it, once per round: the joint
+    forward+backward graph of a small transformer block, traced with ``make_fx`` (as
+    ``runtime/local_graph.py`` traces the runtime's graphs) and timed whole, less what the
+    cost model charges it without a fixed cost per op (the roofline of every op and
+    ``view_op_us`` per view, priced on ``roofline_hardware``), per non-view op (slowest
+    rank). A shared host drifts between fast and slow spells for seconds at a time: the
+    caller spreads the rounds over the calibration and takes their median."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from autoparallel.cost.compute import compute_cost_us
@@ -205,10 +209,13 @@ def op_overhead_us(repeats: int, device: torch.device, roofline_hardware: Hardwa
         cost = compute_cost_us(node.target, args, kwargs, _tensor_info(node), without_overhead)
         charged += cost
         ops += not is_free_op(node.target)
-    dist.barrier()
-    with torch.no_grad():
-        whole = _median_us(lambda: graph(x, *weights), repeats, device)
-    return slowest_rank(max(whole - charged, 0.0) / max(1, ops), device)
+    figures = []
+    for _ in range(rounds):
+        dist.barrier()
+        with torch.no_grad():
+            whole = _median_us(lambda: graph(x, *weights), repeats, device)
+        figures.append(slowest_rank(max(whole - charged, 0.0) / max(1, ops), device))
+    return figures
 
 
 def _tensor_info(value: Any) -> Any:

@@ -111,8 +111,13 @@ def calibrate_group(
     mesh = init_device_mesh(device_type, mesh_shape)
     topology = Topology(mesh_shape, CPU, per_node)
     samples: list[dict[str, Any]] = []
+    # The device first, then the collectives, then the op overhead's other rounds: its rounds
+    # fall half a minute apart, not all in one fast or slow spell of a shared host.
+    device_figures, roofline, first_round = _time_device(device, mesh, settings, say, samples)
     fits = _fit_links(_time_collectives(mesh, topology, settings, say, samples), say)
-    device_figures = _time_device(device, mesh, settings, say, samples)
+    device_figures["kernel_launch_us"] = _op_overhead(
+        device, settings, roofline, first_round, say, samples
+    )
     hardware = _hardware(settings, device, fits, device_figures, per_node)
     measured_on = {
         "backend": dist.get_backend(),
@@ -201,7 +206,9 @@ def _time_device(
     settings: CalibrationSettings,
     say: Callable[[str], None],
     samples: list,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], Hardware, list[float]]:
+    """The device's figures, the roofline model they make (no fixed cost per op yet) and
+    the first round of the fixed cost per op."""
     figures: dict[str, float] = {}
     for dtype, key in ((torch.float32, "flops_fp32"), (torch.bfloat16, "flops_bf16")):
         for size in settings.matmul_sizes:
@@ -232,16 +239,34 @@ def _time_device(
     )
     figures["memory_bandwidth"] = bandwidth
     figures["view_op_us"] = measure.view_op_us(settings.repeats, device)
-    priced_so_far = dataclasses.replace(CPU, **_device_model(device, figures))
-    figures["kernel_launch_us"] = measure.op_overhead_us(settings.repeats, device, priced_so_far)
-    samples.append({"what": "op_overhead", "time_us": figures["kernel_launch_us"]})
     samples.append({"what": "view_op", "time_us": figures["view_op_us"]})
-    say(
-        f"[calibrate] fixed cost per op (a traced transformer block): {figures['kernel_launch_us']:.2f} us, "
-        f"per view op {figures['view_op_us']:.2f} us"
-    )
+    say(f"[calibrate] view op: {figures['view_op_us']:.2f} us")
+    roofline = dataclasses.replace(CPU, **_device_model(device, figures))
+    first_round = measure.op_overhead_us(settings.repeats, device, roofline)
     figures.update(_time_optimizer(mesh, settings, say, samples))
-    return figures
+    return figures, roofline, first_round
+
+
+def _op_overhead(
+    device: torch.device,
+    settings: CalibrationSettings,
+    roofline: Hardware,
+    first_round: list[float],
+    say: Callable[[str], None],
+    samples: list,
+) -> float:
+    """The fixed cost per op: the median of the first round (with the device figures) and
+    ``rounds - 1`` more taken now (after the collectives)."""
+    rounds = first_round + measure.op_overhead_us(
+        settings.repeats, device, roofline, rounds=max(0, settings.rounds - 1)
+    )
+    overhead = statistics.median(rounds)
+    samples.append({"what": "op_overhead", "time_us": overhead, "rounds_us": rounds})
+    say(
+        f"[calibrate] fixed cost per op (a traced transformer block): {overhead:.2f} us "
+        f"(rounds: {', '.join(f'{r:.1f}' for r in rounds)})"
+    )
+    return overhead
 
 
 def _time_optimizer(
