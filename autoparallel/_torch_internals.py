@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed._functional_collectives as _funcol
 import torch.nn as nn
+from torch._export.utils import _compiling_state_context
 from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -123,8 +124,17 @@ def new_fake_mode(allow_non_fake_inputs: bool = False) -> FakeTensorMode:
 
 
 def export_joint(stack: contextlib.ExitStack, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Joint forward+backward export; the returned object has ``graph_module`` and ``out_spec``."""
-    return aot_export_joint_with_descriptors(stack, model, args, kwargs)
+    """Joint forward+backward export; the returned object has ``graph_module`` and ``out_spec``.
+
+    The model runs with torch's "compiling / exporting" state on
+    (``torch.compiler.is_compiling()`` and ``is_exporting()`` true), exactly as
+    ``torch.export``'s non-strict tracing sets it around the same AOTAutograd trace. Model
+    code reads that state to take its export-safe paths: ``transformers`` skips its
+    data-dependent mask and padding checks (``is_tracing``), which cannot run on fake tensors.
+    The state is torch's own private flag pair, set and restored by this context manager.
+    """
+    with _compiling_state_context():
+        return aot_export_joint_with_descriptors(stack, model, args, kwargs)
 
 
 def describe_input(desc: Any) -> tuple[str, Any]:

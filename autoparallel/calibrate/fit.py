@@ -14,13 +14,21 @@ planner's choices depend on.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
+import torch.fx as fx
 
 from autoparallel.cost.collectives import RING_PASSES
-from autoparallel.cost.hardware import CollectiveFit
+from autoparallel.cost.compute import compute_cost_us, is_free_op
+from autoparallel.cost.hardware import CollectiveFit, Hardware
+from autoparallel.trace.fx_args import map_args
+from autoparallel.types.tensors import TensorInfo
 
 _US_PER_S = 1e6
 _SMALLEST_SLOPE = 1e-15  # us per byte: a bandwidth of 1e21 B/s, i.e. "unmeasurably fast"
@@ -111,3 +119,57 @@ def fit_optimizer_step(runs: dict[tuple[int, int], float]) -> OptimizerFit:
     per_tensor = max(0.0, per_tensor)
     fixed = max(0.0, runs[few, small] - few * per_tensor - few * small * per_element_us)
     return OptimizerFit(fixed, per_tensor, 1e3 * per_element_us)
+
+
+# ------------------------------------------------------------------ the op model of a host
+
+
+def block_charge_us(graph: fx.GraphModule, hardware: Hardware) -> tuple[float, int]:
+    """What the cost model charges every op of a traced graph on ``hardware``, and how many
+    of its ops are not views (the ops that pay ``kernel_launch_us``)."""
+    charged, ops = 0.0, 0
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        args, kwargs = map_args(_tensor_info, (node.args, dict(node.kwargs)))
+        charged += compute_cost_us(node.target, args, kwargs, _tensor_info(node), hardware)
+        ops += not is_free_op(node.target)
+    return charged, ops
+
+
+def fit_op_overhead(graph: fx.GraphModule, measured_us: float, roofline: Hardware) -> float:
+    """The fixed cost per non-view op that makes the model's time of ``graph`` (priced on
+    ``roofline``, whose own fixed cost is ignored) equal ``measured_us``; at least 0."""
+    charged, ops = block_charge_us(graph, dataclasses.replace(roofline, kernel_launch_us=0.0))
+    return max(0.0, measured_us - charged) / max(1, ops)
+
+
+def fit_graph_bandwidth(graph: fx.GraphModule, measured_us: float, hardware: Hardware) -> float:
+    """The memory bandwidth that makes the model's time of ``graph`` on ``hardware`` (its
+    fixed cost per op already fitted) equal ``measured_us``, by bisection on a log scale.
+
+    Never above ``hardware.memory_bandwidth`` (a graph that runs faster than the streaming
+    probe says keeps the probe's figure) nor below a thousandth of it."""
+
+    def charged(bandwidth: float) -> float:
+        return block_charge_us(graph, dataclasses.replace(hardware, memory_bandwidth=bandwidth))[0]
+
+    high = hardware.memory_bandwidth
+    low = high / 1000.0
+    if charged(high) >= measured_us:
+        return high
+    if charged(low) <= measured_us:
+        return low
+    for _ in range(40):  # the charge falls as the bandwidth rises
+        middle = math.sqrt(low * high)
+        low, high = (low, middle) if charged(middle) < measured_us else (middle, high)
+    return math.sqrt(low * high)
+
+
+def _tensor_info(value: Any) -> Any:
+    """A traced node's TensorInfo (shape and dtype of its ``val``); anything else as is."""
+    meta = getattr(value, "meta", None)
+    tensor = meta.get("val") if meta else None
+    if isinstance(tensor, torch.Tensor):
+        return TensorInfo(tuple(tensor.shape), tensor.dtype)
+    return None if isinstance(value, fx.Node) else value

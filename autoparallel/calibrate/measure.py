@@ -14,11 +14,10 @@ together (a barrier) and report the largest figure of any rank.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,9 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel import _torch_internals as internals
 from autoparallel.calibrate.fit import CollectiveSample
-from autoparallel.cost.compute import is_free_op
-from autoparallel.cost.hardware import Hardware
-from autoparallel.types.tensors import TensorInfo
 
 _ELEMENT = torch.float32
 
@@ -176,55 +172,50 @@ def _block_joint(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor,
     return torch.autograd.grad(loss, (x, *weights))
 
 
-def op_overhead_us(
-    repeats: int, device: torch.device, roofline_hardware: Hardware, rounds: int = 1
-) -> list[float]:
-    """The fixed cost of one op as the runtime runs it, once per round: the joint
-    forward+backward graph of a small transformer block, traced with ``make_fx`` (as
-    ``runtime/local_graph.py`` traces the runtime's graphs) and timed whole, less what the
-    cost model charges it without a fixed cost per op (the roofline of every op and
-    ``view_op_us`` per view, priced on ``roofline_hardware``), per non-view op (slowest
-    rank). A shared host drifts between fast and slow spells for seconds at a time: the
-    caller spreads the rounds over the calibration and takes their median."""
+TINY_BLOCK = (2, 8, 32)
+"""(batch, seq, dim) of the block that gives the fixed cost per op: at these shapes the
+roofline is a small part of the block's time, so the figure is not the difference of two
+similar numbers (at 4 x 32 x 64 the roofline is half the time and such a residual swung
+between 0.3 and 30 us from one run to the next on a shared host)."""
+
+TRAINING_BLOCK = (4, 32, 64)
+"""(batch, seq, dim) of the block that gives the memory bandwidth small training ops reach
+(activations of tens of KiB, where a CPU runs elementwise ops far below the streaming
+bandwidth of the 64 MiB probe)."""
+
+
+@dataclass(frozen=True)
+class TracedBlock:
+    """The joint forward+backward graph of a small transformer block on ``shape`` =
+    (batch, seq, dim), traced with ``make_fx`` as ``runtime/local_graph.py`` traces the
+    runtime's graphs, and the tensors it runs on."""
+
+    shape: tuple[int, int, int]
+    graph: fx.GraphModule
+    inputs: tuple[torch.Tensor, ...]
+
+
+def traced_block(shape: tuple[int, int, int], device: torch.device) -> TracedBlock:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autoparallel.cost.compute import compute_cost_us
-    from autoparallel.trace.fx_args import map_args
-
-    dim = 64
+    batch, seq, dim = shape
     generator = torch.Generator().manual_seed(0)
     shapes = [(dim, dim)] * 4 + [(4 * dim, dim), (dim, 4 * dim), (dim,)]
     weights = [
         (0.1 * torch.randn(shape, generator=generator)).to(device).requires_grad_()
         for shape in shapes
     ]
-    x = torch.randn(4, 32, dim, generator=generator).to(device).requires_grad_()
-    graph = make_fx(_block_joint)(x, *weights)
-    without_overhead = dataclasses.replace(roofline_hardware, kernel_launch_us=0.0)
-    charged, ops = 0.0, 0
-    for node in graph.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        args, kwargs = map_args(_tensor_info, (node.args, dict(node.kwargs)))
-        cost = compute_cost_us(node.target, args, kwargs, _tensor_info(node), without_overhead)
-        charged += cost
-        ops += not is_free_op(node.target)
-    figures = []
-    for _ in range(rounds):
-        dist.barrier()
-        with torch.no_grad():
-            whole = _median_us(lambda: graph(x, *weights), repeats, device)
-        figures.append(slowest_rank(max(whole - charged, 0.0) / max(1, ops), device))
-    return figures
+    x = torch.randn(batch, seq, dim, generator=generator).to(device).requires_grad_()
+    inputs = (x, *weights)
+    return TracedBlock(shape, make_fx(_block_joint)(*inputs), inputs)
 
 
-def _tensor_info(value: Any) -> Any:
-    """A traced node's TensorInfo (shape and dtype of its ``val``); anything else as is."""
-    meta = getattr(value, "meta", None)
-    tensor = meta.get("val") if meta else None
-    if isinstance(tensor, torch.Tensor):
-        return TensorInfo(tuple(tensor.shape), tensor.dtype)
-    return None if isinstance(value, fx.Node) else value
+def time_block(block: TracedBlock, repeats: int, device: torch.device) -> float:
+    """Median time of one run of ``block``'s graph (slowest rank)."""
+    dist.barrier()
+    with torch.no_grad():
+        median = _median_us(lambda: block.graph(*block.inputs), repeats, device)
+    return slowest_rank(median, device)
 
 
 def view_op_us(repeats: int, device: torch.device, ops: int = 200) -> float:

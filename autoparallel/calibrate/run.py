@@ -27,7 +27,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoparallel.calibrate import measure
-from autoparallel.calibrate.fit import CollectiveSample, fit_collective, fit_optimizer_step
+from autoparallel.calibrate.fit import (
+    CollectiveSample,
+    fit_collective,
+    fit_graph_bandwidth,
+    fit_op_overhead,
+    fit_optimizer_step,
+)
 from autoparallel.cost.hardware import COLLECTIVES, CPU, CollectiveFit, Hardware
 from autoparallel.cost.profile import write_profile
 from autoparallel.cost.topology import Topology
@@ -113,11 +119,13 @@ def calibrate_group(
     samples: list[dict[str, Any]] = []
     # The device first, then the collectives, then the op overhead's other rounds: its rounds
     # fall half a minute apart, not all in one fast or slow spell of a shared host.
-    device_figures, roofline, first_round = _time_device(device, mesh, settings, say, samples)
+    blocks = _Blocks.trace(device)
+    device_figures = _time_device(device, mesh, settings, say, samples)
+    blocks.time_round(settings.repeats, device)
     fits = _fit_links(_time_collectives(mesh, topology, settings, say, samples), say)
-    device_figures["kernel_launch_us"] = _op_overhead(
-        device, settings, roofline, first_round, say, samples
-    )
+    for _ in range(settings.rounds - 1):
+        blocks.time_round(settings.repeats, device)
+    device_figures.update(blocks.fit(device, device_figures, say, samples))
     hardware = _hardware(settings, device, fits, device_figures, per_node)
     measured_on = {
         "backend": dist.get_backend(),
@@ -206,9 +214,7 @@ def _time_device(
     settings: CalibrationSettings,
     say: Callable[[str], None],
     samples: list,
-) -> tuple[dict[str, float], Hardware, list[float]]:
-    """The device's figures, the roofline model they make (no fixed cost per op yet) and
-    the first round of the fixed cost per op."""
+) -> dict[str, float]:
     figures: dict[str, float] = {}
     for dtype, key in ((torch.float32, "flops_fp32"), (torch.bfloat16, "flops_bf16")):
         for size in settings.matmul_sizes:
@@ -241,32 +247,68 @@ def _time_device(
     figures["view_op_us"] = measure.view_op_us(settings.repeats, device)
     samples.append({"what": "view_op", "time_us": figures["view_op_us"]})
     say(f"[calibrate] view op: {figures['view_op_us']:.2f} us")
-    roofline = dataclasses.replace(CPU, **_device_model(device, figures))
-    first_round = measure.op_overhead_us(settings.repeats, device, roofline)
     figures.update(_time_optimizer(mesh, settings, say, samples))
-    return figures, roofline, first_round
+    return figures
 
 
-def _op_overhead(
-    device: torch.device,
-    settings: CalibrationSettings,
-    roofline: Hardware,
-    first_round: list[float],
-    say: Callable[[str], None],
-    samples: list,
-) -> float:
-    """The fixed cost per op: the median of the first round (with the device figures) and
-    ``rounds - 1`` more taken now (after the collectives)."""
-    rounds = first_round + measure.op_overhead_us(
-        settings.repeats, device, roofline, rounds=max(0, settings.rounds - 1)
-    )
-    overhead = statistics.median(rounds)
-    samples.append({"what": "op_overhead", "time_us": overhead, "rounds_us": rounds})
-    say(
-        f"[calibrate] fixed cost per op (a traced transformer block): {overhead:.2f} us "
-        f"(rounds: {', '.join(f'{r:.1f}' for r in rounds)})"
-    )
-    return overhead
+@dataclass
+class _Blocks:
+    """The two traced transformer blocks that fit the op model of the host, and their times
+    per round. A shared host drifts between fast and slow spells for seconds at a time, so
+    the rounds are spread over the calibration (one with the device figures, the others
+    after the collectives) and their medians count."""
+
+    tiny: measure.TracedBlock
+    training: measure.TracedBlock
+    tiny_us: list[float]
+    training_us: list[float]
+
+    @classmethod
+    def trace(cls, device: torch.device) -> _Blocks:
+        return cls(
+            measure.traced_block(measure.TINY_BLOCK, device),
+            measure.traced_block(measure.TRAINING_BLOCK, device),
+            [],
+            [],
+        )
+
+    def time_round(self, repeats: int, device: torch.device) -> None:
+        self.tiny_us.append(measure.time_block(self.tiny, repeats, device))
+        self.training_us.append(measure.time_block(self.training, repeats, device))
+
+    def fit(
+        self,
+        device: torch.device,
+        figures: dict[str, float],
+        say: Callable[[str], None],
+        samples: list,
+    ) -> dict[str, float]:
+        """The fixed cost per op (the tiny block) and then the memory bandwidth small
+        training ops reach (the training-sized block, at that fixed cost)."""
+        roofline = dataclasses.replace(CPU, **_device_model(device, figures))
+        tiny_us, training_us = statistics.median(self.tiny_us), statistics.median(self.training_us)
+        overhead = fit_op_overhead(self.tiny.graph, tiny_us, roofline)
+        with_overhead = dataclasses.replace(roofline, kernel_launch_us=overhead)
+        bandwidth = fit_graph_bandwidth(self.training.graph, training_us, with_overhead)
+        for block, times in ((self.tiny, self.tiny_us), (self.training, self.training_us)):
+            samples.append({"what": "block", "shape": list(block.shape), "rounds_us": times})
+        say(
+            f"[calibrate] fixed cost per op (a traced transformer block {_shape(self.tiny)}): "
+            f"{overhead:.2f} us (block rounds: {_rounds(self.tiny_us)} us)"
+        )
+        say(
+            f"[calibrate] memory bandwidth of training ops (block {_shape(self.training)}): "
+            f"{bandwidth / 1e9:.2f} GB/s (block rounds: {_rounds(self.training_us)} us)"
+        )
+        return {"kernel_launch_us": overhead, "memory_bandwidth": bandwidth}
+
+
+def _shape(block: measure.TracedBlock) -> str:
+    return " x ".join(str(d) for d in block.shape)
+
+
+def _rounds(times: list[float]) -> str:
+    return ", ".join(f"{t:.0f}" for t in times)
 
 
 def _time_optimizer(
