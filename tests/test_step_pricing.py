@@ -71,6 +71,30 @@ def test_the_optimizer_fit_recovers_its_parts():
         fit_optimizer_step({(4, 256): 1.0})
 
 
+def test_the_op_model_fits_recover_a_known_host():
+    """Timings made by the model itself on a known host (fixed cost 12 us per op, 3 GB/s for
+    small ops) give back that fixed cost from the tiny block and that bandwidth from the
+    training-sized one, from a roofline that starts at the streaming probe's 20 GB/s."""
+    from autoparallel.calibrate.fit import block_charge_us, fit_graph_bandwidth, fit_op_overhead
+    from autoparallel.calibrate.measure import TINY_BLOCK, TRAINING_BLOCK, traced_block
+
+    host = dataclasses.replace(SYNCHRONOUS, kernel_launch_us=12.0, memory_bandwidth=3e9)
+    probe = dataclasses.replace(host, kernel_launch_us=0.0, memory_bandwidth=20e9)
+    tiny = traced_block(TINY_BLOCK, torch.device("cpu")).graph
+    training = traced_block(TRAINING_BLOCK, torch.device("cpu")).graph
+    # the tiny block priced at the probe's bandwidth: its roofline is a small part of it
+    tiny_us = block_charge_us(tiny, dataclasses.replace(host, memory_bandwidth=20e9))[0]
+    overhead = fit_op_overhead(tiny, tiny_us, probe)
+    assert overhead == pytest.approx(12.0)
+    training_us = block_charge_us(training, host)[0]
+    bandwidth = fit_graph_bandwidth(
+        training, training_us, dataclasses.replace(probe, kernel_launch_us=overhead)
+    )
+    assert bandwidth == pytest.approx(3e9, rel=1e-3)
+    # a graph faster than the probe predicts keeps the probe's figure
+    assert fit_graph_bandwidth(training, 1.0, probe) == probe.memory_bandwidth
+
+
 PRICED_OPTIMIZER = dataclasses.replace(
     CPU,
     name="cpu-with-optimizer",
