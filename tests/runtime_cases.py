@@ -472,3 +472,61 @@ def parameters_gathered_by_layer(rank: int, world_size: int) -> dict[str, Any]:
         "placements": sorted({str(tuple(value.placements)) for value in gathered.values()}),
         "released": not gathers.ready,
     }
+
+
+def train_hf_family(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    """A Hugging Face family as it comes (dropout off), built on CPU from seed 0 on every
+    rank, planned on a (2, 2) gloo mesh with every input and output split by rows over dp,
+    trained STEPS AdamW steps on the loss of its logits. Returns what ``train`` returns."""
+    from autoparallel.models.hf_families import (
+        NO_DROPOUT,
+        build_hf_family,
+        hf_family,
+        hf_family_inputs,
+    )
+
+    family = hf_family(name)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = build_hf_family(family, "cpu", **NO_DROPOUT)
+    batches = hf_family_batches(name)
+    rows = (Shard(0), Replicate())
+    with AutoParallel(model, lambda: batches[0], mesh, hardware="cpu") as autop:
+        autop.add_input_constraints([rows] * len(batches[0]))
+        outputs = [o for o in autop.sharding_optimizer.problem.joint.user_outputs if o is not None]
+        autop.add_output_constraints([rows] * len(outputs))
+        plan = autop.optimize_placement()
+        parallel = autop.apply_placement(plan)
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR)
+    result: dict[str, Any] = {
+        "losses": [],
+        "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()},
+    }
+    for step, batch in enumerate(batches):
+        local = {key: _local_rows(value, mesh) for key, value in batch.items()}
+        logits = parallel(**local).logits
+        loss = logits.float().pow(2).sum() / (logits.numel() * mesh.shape[0])
+        loss.backward()
+        if step == 0:
+            result["grads"] = full_grads(parallel)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh.get_group(0))
+        result["losses"].append(total.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    result["params"] = full_params(parallel)
+    return result
+
+
+def hf_family_batches(name: str) -> list[dict[str, torch.Tensor]]:
+    from autoparallel.models.hf_families import hf_family, hf_family_inputs
+
+    generator = torch.Generator().manual_seed(1234)
+    return [hf_family_inputs(hf_family(name), generator=generator) for _ in range(STEPS)]
+
+
+def hf_family_reference(name: str) -> torch.nn.Module:
+    from autoparallel.models.hf_families import NO_DROPOUT, build_hf_family, hf_family
+
+    torch.manual_seed(0)
+    return build_hf_family(hf_family(name), "cpu", **NO_DROPOUT)

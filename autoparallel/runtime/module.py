@@ -158,6 +158,12 @@ class _Runtime:
         self.output_indices = [i for i, out in enumerate(joint.user_outputs) if out is not None]
         self.params_with_grad = [name for name in joint.params if name in joint.param_grads]
         self.inputs_with_grad = sorted(joint.input_grads)
+        # tensors the model created while traced (``torch.tensor(...)`` in its forward): the
+        # graph reads them as attributes; every rank holds them whole
+        self.constants = {
+            node: getattr(joint.graph_module, node.target).to(executor.device)
+            for node in joint.graph.find_nodes(op="get_attr")
+        }
         self.forward_phase = TracedPhase("forward", self._forward_program)
         self.backward_phase = TracedPhase("backward", self._backward_program)
         self.inference_phase = TracedPhase("inference", self._inference_program)
@@ -258,6 +264,8 @@ class _Runtime:
             )
         for node, local, placements in zip(joint.user_inputs, inputs, plan.input_placements):
             env[node] = DTensor.from_local(local, mesh, placements, run_check=False)
+        for node, constant in self.constants.items():
+            env[node] = DTensor.from_local(constant, mesh, _replicate(mesh), run_check=False)
         return env
 
     def _outputs(self, env: dict) -> list[torch.Tensor]:

@@ -155,6 +155,8 @@ def _trace(
     fake_mode = internals.new_fake_mode()
     fake_args, fake_kwargs = _fake_inputs(args, kwargs, fake_mode, device)
     fake_model = _fake_copy_of_model(model, fake_mode, device)
+    # the copy is ours: a hook on it leaves the user's model untouched
+    fake_model.register_forward_hook(_without_state_objects)
     name_prefix = _name_prefix(mp_policy)
     if mp_policy is not None:
         fake_model = MixedPrecisionModule(fake_model, mp_policy)
@@ -166,6 +168,30 @@ def _trace(
     return _assign_roles(
         export.graph_module, fake_mode, in_spec, export.out_spec, device, name_prefix
     )
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _without_state_objects(module: nn.Module, args: Any, output: Any) -> Any:
+    """``output`` with every leaf that is neither a tensor nor a plain value set to None.
+
+    Such leaves are state objects a forward returns beside its tensors, such as the
+    key/value cache of a ``transformers`` model (``past_key_values``, on by default). A
+    training step does not read them and the joint graph cannot return them, so the parallel
+    module returns None in their place (logged once per trace)."""
+    leaves, spec = tree_flatten(output)
+    dropped = sorted(
+        {type(leaf).__name__ for leaf in leaves if not isinstance(leaf, _PLAIN_LEAVES)}
+    )
+    if not dropped:
+        return output
+    logger.info(
+        "the model's output holds %s (not tensors): the parallel module returns None there; "
+        "pass the model's own switch (e.g. use_cache=False) to leave them out",
+        ", ".join(dropped),
+    )
+    return spec.unflatten([leaf if isinstance(leaf, _PLAIN_LEAVES) else None for leaf in leaves])
 
 
 def _name_prefix(mp_policy: Any) -> str:

@@ -1,0 +1,33 @@
+"""Hugging Face models as they come: every family of the README plans on a fake (2, 4) mesh
+with its default attention, cache and mask code, from ``from_config`` on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from autoparallel import AutoParallel  # noqa: E402
+from autoparallel.models.hf_families import (  # noqa: E402
+    HF_FAMILIES,
+    build_hf_family,
+    hf_family,
+    hf_family_inputs,
+)
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES, ids=lambda family: family.name)
+def test_the_family_plans_as_it_comes(fake_mesh, family):
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    model = build_hf_family(family)
+    inputs = hf_family_inputs(family)
+    with AutoParallel(model, lambda: inputs, mesh) as autop:
+        plan = autop.optimize_placement()
+    names = {name for name, _ in model.named_parameters()}
+    assert set(plan.param_placements) == names
+    assert all(len(placements) == 2 for placements in plan.param_placements.values())
+
+
+def test_an_unknown_family_lists_the_known_ones():
+    with pytest.raises(ValueError, match="known: gpt2, llama"):
+        hf_family("gpt5")
