@@ -482,7 +482,6 @@ def train_hf_family(rank: int, world_size: int, name: str) -> dict[str, Any]:
         NO_DROPOUT,
         build_hf_family,
         hf_family,
-        hf_family_inputs,
     )
 
     family = hf_family(name)
