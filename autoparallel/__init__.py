@@ -7,6 +7,7 @@ from autoparallel.runtime import InputMismatchError, StepTiming, measure_step
 from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError
 from autoparallel.solver.highs import InfeasibleConstraintsError
+from autoparallel.trace.errors import TraceError
 from autoparallel.trace.sharding_constraint import with_sharding_constraint
 from autoparallel.types.plan import Plan
 
@@ -21,6 +22,7 @@ __all__ = [
     "DynamicShapeError",
     "Plan",
     "InfeasibleConstraintsError",
+    "TraceError",
     "Hardware",
     "Topology",
     "HARDWARE_PRESETS",

@@ -20,12 +20,21 @@ import torch.nn as nn
 from torch._export.utils import _compiling_state_context
 from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException as _DataDependentOutputException,
+)
+from torch._subclasses.fake_tensor import (
+    DynamicOutputShapeException as _DynamicOutputShapeException,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor._api import DTensor
 from torch.distributed.tensor._collective_utils import shard_dim_alltoall as _shard_dim_alltoall
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+from torch.fx.experimental.symbolic_shapes import (
+    GuardOnDataDependentSymNode as _GuardOnDataDependentSymNode,
+)
 
 try:  # mirrored without their pricing by strategies/view_rules.py (see view_rule_of)
     from torch.distributed.tensor._ops import _math_ops as _dtensor_math_ops
@@ -116,6 +125,15 @@ def wrap_local(local: torch.Tensor, spec: Any) -> DTensor:
     """A DTensor of ``local`` with the given spec, no checks and no autograd node (the
     caller guarantees ``local`` is this rank's shard of a tensor with that spec)."""
     return DTensor(local, spec, requires_grad=False)
+
+
+# What fake tensors raise when a forward needs data they do not have (trace/errors.py turns
+# them into a message about the user's code); the classes live in private modules.
+DATA_DEPENDENT_VALUE_ERRORS: tuple[type[BaseException], ...] = (
+    _DataDependentOutputException,
+    _GuardOnDataDependentSymNode,
+)
+DATA_DEPENDENT_SHAPE_ERRORS: tuple[type[BaseException], ...] = (_DynamicOutputShapeException,)
 
 
 def new_fake_mode(allow_non_fake_inputs: bool = False) -> FakeTensorMode:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel.trace.errors import trace_error
 from autoparallel.trace.layer_stamping import (
     CHECK_LAYERS,
     TEMPLATE_LAYERS,
@@ -163,7 +164,10 @@ def _trace(
 
     # The export's contexts only matter for compiling the graph; we read it and close them.
     with contextlib.ExitStack() as stack:
-        export = internals.export_joint(stack, fake_model, fake_args, fake_kwargs)
+        try:
+            export = internals.export_joint(stack, fake_model, fake_args, fake_kwargs)
+        except Exception as exc:
+            raise trace_error(exc, model) from exc
     _, in_spec = tree_flatten((args, kwargs))
     return _assign_roles(
         export.graph_module, fake_mode, in_spec, export.out_spec, device, name_prefix
