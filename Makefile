@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# two workers, a test file per worker at a time (a file's gloo ranks are shared by its tests)
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=10 tests
 
 # ruff, configured in pyproject.toml: lint rules and the formatter's check (`make format` fixes)
 lint: $(VENV)/.installed

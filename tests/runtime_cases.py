@@ -29,6 +29,12 @@ LLAMA = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512)
 LLAMA_DEEP = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512, n_layers=6)
 STEPS = 3
 LR = 1e-3
+TOLERANCE = 1e-4  # losses, gradients and parameters against the single-device run
+
+
+def max_error(a: dict, b: dict) -> float:
+    """The largest absolute difference between two ``{name: tensor}`` maps (b's names)."""
+    return max((a[k] - b[k]).abs().max().item() for k in b if b[k] is not None)
 
 
 def build(model_name: str, device: str = "meta") -> torch.nn.Module:
