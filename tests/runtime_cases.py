@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -178,16 +179,7 @@ def _train(
         output = run(local)
         if step == 0:
             result["output_error"] = (output - _local_rows(reference_out, mesh)).abs().max().item()
-        numel = output.numel() * mesh.shape[0]
-        loss = output.float().pow(2).sum() / numel
-        loss.backward()
-        if step == 0:
-            result["grads"] = full_grads(parallel)
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=mesh.get_group(0))
-        result["losses"].append(total.item())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _learn_from(output, parallel, optimizer, mesh, step, result)
     result["params"] = full_params(parallel)
     if compiled:
         local = _local_rows(global_batches(model_name)[0], mesh)
@@ -195,6 +187,21 @@ def _train(
             result["compiled_inference_error"] = (run(local) - parallel(local)).abs().max().item()
         result["compiled_graphs"] = len(compiled_logs)
     return result
+
+
+def _learn_from(output, parallel, optimizer, mesh, step: int, result: dict[str, Any]) -> None:
+    """One step on this rank's rows of ``output``: the loss mean(output^2) of the GLOBAL
+    batch (rows split over mesh dim 0), backward, step 0's full gradients and every step's
+    global loss into ``result``, then the optimizer step."""
+    loss = output.float().pow(2).sum() / (output.numel() * mesh.shape[0])
+    loss.backward()
+    if step == 0:
+        result["grads"] = full_grads(parallel)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=mesh.get_group(0))
+    result["losses"].append(total.item())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 class _Records(logging.Handler):
@@ -238,6 +245,9 @@ def inference_and_state(rank: int, world_size: int) -> dict[str, Any]:
     fresh.reset_rotary()
     with torch.no_grad():
         result["dcp_error"] = (fresh(_local_rows(batch, mesh)) - expected).abs().max().item()
+    dist.barrier()  # every rank has loaded: the checkpoint can go
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
 
     try:
         parallel(batch)  # the global batch instead of the local one
@@ -509,16 +519,7 @@ def train_hf_family(rank: int, world_size: int, name: str) -> dict[str, Any]:
     }
     for step, batch in enumerate(batches):
         local = {key: _local_rows(value, mesh) for key, value in batch.items()}
-        logits = parallel(**local).logits
-        loss = logits.float().pow(2).sum() / (logits.numel() * mesh.shape[0])
-        loss.backward()
-        if step == 0:
-            result["grads"] = full_grads(parallel)
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=mesh.get_group(0))
-        result["losses"].append(total.item())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _learn_from(parallel(**local).logits, parallel, optimizer, mesh, step, result)
     result["params"] = full_params(parallel)
     return result
 
