@@ -31,3 +31,14 @@ def test_the_family_plans_as_it_comes(fake_mesh, family):
 def test_an_unknown_family_lists_the_known_ones():
     with pytest.raises(ValueError, match="known: gpt2, llama"):
         hf_family("gpt5")
+
+
+def test_a_padded_causal_lm_plans_without_replicated_fallbacks(fake_mesh):
+    """Attention with a padding mask and the constants transformers creates in its forward
+    (``lift_fresh_copy``) have sharding rules: nothing falls back to replicated."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    family = hf_family("llama")
+    inputs = hf_family_inputs(family, padded=True)
+    with AutoParallel(build_hf_family(family), lambda: inputs, mesh) as autop:
+        plan = autop.optimize_placement()
+    assert plan.fallbacks == []

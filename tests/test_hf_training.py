@@ -34,3 +34,26 @@ def test_hugging_face_models_train_as_they_come(ranks, name):
         assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
         assert max_error(result["grads"], reference["grads"]) < TOLERANCE
         assert max_error(result["params"], reference["params"]) < TOLERANCE
+
+
+def test_masked_attention_sharded_on_heads_trains_as_on_one_device(ranks):
+    """A causal LM with a padding mask, every attention pinned sharded on heads over tp: the
+    [batch, 1, q, k] mask is sharded with the batch and replicated over the heads it
+    broadcasts to, and training still equals the single-device run."""
+
+    def loss(output, batch):
+        return output.logits.float().pow(2).mean()
+
+    reference = reference_training(
+        lambda: hf_family_reference("llama"),
+        hf_family_batches("llama", padded=True),
+        STEPS,
+        LR,
+        loss_fn=loss,
+    )
+    results = ranks(4).run(train_hf_family, "llama", True, True, timeout_s=600)
+    assert results[0]["attention"] == ["S(0)S(1)"]
+    for result in results:
+        assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
+        assert max_error(result["grads"], reference["grads"]) < TOLERANCE
+        assert max_error(result["params"], reference["params"]) < TOLERANCE

@@ -198,17 +198,22 @@ def build_hf_family(
 
 
 def hf_family_inputs(
-    family: HFFamily, batch: int = 8, seq: int = 16, generator: torch.Generator | None = None
+    family: HFFamily,
+    batch: int = 8,
+    seq: int = 16,
+    generator: torch.Generator | None = None,
+    padded: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Keyword inputs of ``family``'s kind (see the module doc); the masks pad the last two
-    positions of every other row, so padding is really exercised."""
+    positions of every other row, so padding is really exercised. ``padded`` gives a causal
+    LM such a mask too (right padding of a batch of unequal sequences)."""
     if family.inputs == "vision":
         return {"pixel_values": torch.randn(batch, 3, _IMAGE, _IMAGE, generator=generator)}
     tokens = torch.randint(0, _VOCAB, (batch, seq), generator=generator)
-    if family.inputs == "causal":
-        return {"input_ids": tokens}
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[1::2, -2:] = 0
+    if family.inputs == "causal":
+        return {"input_ids": tokens, "attention_mask": mask} if padded else {"input_ids": tokens}
     if family.inputs == "masked":
         return {"input_ids": tokens, "attention_mask": mask}
     decoder = torch.randint(0, _VOCAB, (batch, seq), generator=generator)

@@ -97,13 +97,24 @@ def evenly_divisible(
 # ---------------------------------------------------------------------------- attention
 
 
-def _attention_rules(num_outputs: int, num_inputs: int) -> list[SingleDimRule]:
+def _attention_rules(
+    num_outputs: int, num_inputs: int, mask: fx.Node | None
+) -> list[SingleDimRule]:
     """Attention is independent per batch element and per head: shard both on every tensor.
 
     Every tensor of the CPU flash-attention ops is laid out [batch, heads, ...], logsumexp
-    included, so Shard(0) and Shard(1) apply uniformly.
+    included, so Shard(0) and Shard(1) apply uniformly. An attention mask (the last tensor
+    input: it is a keyword argument) broadcasts over batch and heads where its dim is 1: it
+    is sharded with the others where it has that dim, replicated where it broadcasts.
     """
-    return [[Shard(0)] * (num_outputs + num_inputs), [Shard(1)] * (num_outputs + num_inputs)]
+    rules = []
+    for dim in (0, 1):
+        rule: SingleDimRule = [Shard(dim)] * (num_outputs + num_inputs)
+        if mask is not None:
+            broadcast = mask.meta["val"].dim() <= dim or mask.meta["val"].shape[dim] == 1
+            rule[-1] = Replicate() if broadcast else Shard(dim)
+        rules.append(rule)
+    return rules
 
 
 @rule_for(
@@ -111,26 +122,27 @@ def _attention_rules(num_outputs: int, num_inputs: int) -> list[SingleDimRule]:
     _aten_default("_scaled_dot_product_flash_attention_for_cpu_backward"),
 )
 def sdpa_cpu_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
-    """Rules for the CPU flash-attention forward and backward, which DTensor lacks.
-
-    Only the plain form is covered (no attention mask tensor): a mask would need its own
-    batch/head broadcasting rules.
-    """
+    """Rules for the CPU flash-attention forward and backward, which DTensor lacks, with or
+    without an attention mask of shape [batch or 1, heads or 1, q, k]."""
     tensor_inputs = [a for a in node.args if isinstance(a, fx.Node)]
     mask = node.kwargs.get("attn_mask")
-    if isinstance(mask, fx.Node):
+    if mask is not None and not isinstance(mask, fx.Node):
         return None
+    if mask is not None and mask.meta["val"].dim() != 4:
+        return None
+    num_inputs = len(tensor_inputs) + (mask is not None)
     num_outputs = len(node.meta["val"])
-    return _attention_rules(num_outputs, len(tensor_inputs)), num_outputs
+    return _attention_rules(num_outputs, num_inputs, mask), num_outputs
 
 
 # ---------------------------------------------------------------------------- identities
 
 
-@rule_for(sharding_constraint_op)
+@rule_for(sharding_constraint_op, _aten_default("lift_fresh_copy"))
 def identity_rules(node: fx.Node) -> tuple[list[SingleDimRule], int]:
-    """Output placement = input placement (``with_sharding_constraint``'s op): any layout
-    change the constraint implies is priced on the input edge."""
+    """Output placement = input placement: ``with_sharding_constraint``'s op (any layout
+    change the constraint implies is priced on the input edge) and ``lift_fresh_copy`` (the
+    copy of a tensor the model created in its forward, e.g. ``torch.tensor(...)``)."""
     ndim = node.meta["val"].ndim
     return [[Shard(d), Shard(d)] for d in range(ndim)], 1
 
