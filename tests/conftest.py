@@ -13,6 +13,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel._testing.harness import RankPool
 
+# the runtime cases' checks assert in a helper module: let pytest explain their failures
+pytest.register_assert_rewrite("runtime_cases")
+
 
 @pytest.fixture
 def fake_mesh():
@@ -51,3 +54,19 @@ def meta(factory):
     """Build a model on the meta device (nothing allocated)."""
     with torch.device("meta"):
         return factory()
+
+
+@pytest.fixture(scope="module")
+def references():
+    """``references(model_name)`` -> the single-device training run of a runtime-case model
+    (runtime_cases.reference_of), computed once per test module."""
+    from runtime_cases import reference_of
+
+    cache: dict[str, dict] = {}
+
+    def get(model_name: str) -> dict:
+        if model_name not in cache:
+            cache[model_name] = reference_of(model_name)
+        return cache[model_name]
+
+    return get

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -561,3 +562,57 @@ def hf_family_reference(name: str) -> torch.nn.Module:
 
     torch.manual_seed(0)
     return build_hf_family(hf_family(name), "cpu", **NO_DROPOUT)
+
+
+def check_parallel_training(
+    ranks: Any,
+    reference: dict[str, Any],
+    model_name: str,
+    shape: tuple[int, ...],
+    kind: str,
+    compiled: bool = False,
+) -> None:
+    """Train ``model_name`` planned ``kind`` on a gloo mesh of ``shape`` (``train``) and
+    assert what the plan must show and that losses, gradients and parameters equal
+    ``reference`` (``reference_training`` of the same model and batches)."""
+    world_size = 1
+    for size in shape:
+        world_size *= size
+    results = ranks(world_size).run(train, model_name, shape, kind, compiled, timeout_s=600)
+    rank0 = results[0]
+    placements = rank0["param_placements"]
+    assert rank0["layers_traced_once"] == (model_name == "llama-deep")
+    if model_name == "mlp-constrained":  # the hidden activation and its gradient, replicated
+        assert rank0["constrained"] == ["R", "R"]
+    elif kind == "ddp":
+        assert set(placements.values()) == {"R"}
+        assert rank0["all_reduces"] >= 1  # gradients are summed across ranks
+    elif kind == "gathered-heads":
+        assert rank0["heads_gathered"]
+    elif kind == "fsdp":
+        assert all("S(" in p for p in placements.values() if p), placements
+    else:
+        assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), (
+            placements
+        )
+    if compiled:  # Inductor compiled the training graph and, under no_grad, the inference one
+        assert rank0["compiled_graphs"] >= 2
+        assert rank0["compiled_inference_error"] < TOLERANCE
+    for result in results:
+        assert result["output_error"] < TOLERANCE
+        assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
+        assert max_error(result["grads"], reference["grads"]) < TOLERANCE
+        assert max_error(result["params"], reference["params"]) < TOLERANCE
+
+
+def reference_of(model_name: str) -> dict[str, Any]:
+    """The single-device run ``check_parallel_training`` compares with."""
+    from autoparallel._testing.harness import reference_training
+
+    return reference_training(
+        lambda: reference_model(model_name),
+        global_batches(model_name),
+        STEPS,
+        LR,
+        loss_fn=lambda output, batch: output.float().pow(2).mean(),
+    )

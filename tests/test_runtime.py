@@ -4,96 +4,34 @@ from __future__ import annotations
 
 import pytest
 from runtime_cases import (
-    LR,
-    STEPS,
     TOLERANCE,
+    check_parallel_training,
     dynamic_batch_sizes,
-    global_batches,
     gradients_reduced_together,
     inference_and_state,
     init_matches_reference,
-    max_error,
     parameters_gathered_by_layer,
     plan_is_shared,
-    reference_model,
     route_is_executed,
     simple_api,
-    train,
 )
-
-from autoparallel._testing.harness import reference_training
-
-
-def _loss(output, batch):
-    return output.float().pow(2).mean()
-
-
-@pytest.fixture(scope="module")
-def references():
-    cache = {}
-
-    def get(model_name):
-        if model_name not in cache:
-            cache[model_name] = reference_training(
-                lambda: reference_model(model_name),
-                global_batches(model_name),
-                STEPS,
-                LR,
-                loss_fn=_loss,
-            )
-        return cache[model_name]
-
-    return get
 
 
 @pytest.mark.parametrize(
-    "model_name,shape,kind,compiled",
+    "model_name,shape,kind",
     [
-        ("mlp", (2,), "ddp", False),
-        ("mlp-constrained", (2,), "ddp", False),
-        ("mlp", (4,), "fsdp", False),
-        ("mlp", (2, 2), "tp", False),
-        ("llama", (2,), "fsdp", False),
-        ("llama", (2, 2), "tp", False),
-        ("llama", (2,), "gathered-heads", False),  # a traced view on a gathered copy
-        ("llama-deep", (2,), "fsdp", False),  # its graph is built from 3 and 4 traced layers
-        # torch.compile(..., backend=autoparallel_backend(), fullgraph=True): Inductor's C++ path
-        ("mlp", (2, 2), "tp", True),
-        ("llama", (2,), "fsdp", True),
+        ("mlp", (2,), "ddp"),
+        ("mlp-constrained", (2,), "ddp"),
+        ("mlp", (4,), "fsdp"),
+        ("mlp", (2, 2), "tp"),
+        ("llama", (2,), "fsdp"),
+        ("llama", (2, 2), "tp"),
+        ("llama", (2,), "gathered-heads"),  # a traced view on a gathered copy
+        ("llama-deep", (2,), "fsdp"),  # its graph is built from 3 and 4 traced layers
     ],
 )
-def test_parallel_training_matches_single_device(
-    ranks, references, model_name, shape, kind, compiled
-):
-    world_size = 1
-    for size in shape:
-        world_size *= size
-    results = ranks(world_size).run(train, model_name, shape, kind, compiled, timeout_s=600)
-    reference = references(model_name)
-    rank0 = results[0]
-    placements = rank0["param_placements"]
-    assert rank0["layers_traced_once"] == (model_name == "llama-deep")
-    if model_name == "mlp-constrained":  # the hidden activation and its gradient, replicated
-        assert rank0["constrained"] == ["R", "R"]
-    elif kind == "ddp":
-        assert set(placements.values()) == {"R"}
-        assert rank0["all_reduces"] >= 1  # gradients are summed across ranks
-    elif kind == "gathered-heads":
-        assert rank0["heads_gathered"]
-    elif kind == "fsdp":
-        assert all("S(" in p for p in placements.values() if p), placements
-    else:
-        assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), (
-            placements
-        )
-    if compiled:  # Inductor compiled the training graph and, under no_grad, the inference one
-        assert rank0["compiled_graphs"] >= 2
-        assert rank0["compiled_inference_error"] < TOLERANCE
-    for result in results:
-        assert result["output_error"] < TOLERANCE
-        assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
-        assert max_error(result["grads"], reference["grads"]) < TOLERANCE
-        assert max_error(result["params"], reference["params"]) < TOLERANCE
+def test_parallel_training_matches_single_device(ranks, references, model_name, shape, kind):
+    check_parallel_training(ranks, references(model_name), model_name, shape, kind)
 
 
 def test_inference_state_dict_and_input_checks(ranks):

@@ -1,0 +1,13 @@
+"""Under ``torch.compile(..., backend=autoparallel_backend(), fullgraph=True)`` (Inductor's C++
+path) the parallel module trains to the same numbers as the single-device model; its own
+file so that a test worker runs it beside the eager runtime tests."""
+
+from __future__ import annotations
+
+import pytest
+from runtime_cases import check_parallel_training
+
+
+@pytest.mark.parametrize("model_name,shape,kind", [("mlp", (2, 2), "tp"), ("llama", (2,), "fsdp")])
+def test_compiled_training_matches_single_device(ranks, references, model_name, shape, kind):
+    check_parallel_training(ranks, references(model_name), model_name, shape, kind, compiled=True)
