@@ -93,7 +93,7 @@ def _gather_heads_before_transpose(optimizer) -> None:
     so the traced ``view`` that merges heads (legal on the traced strides) needs a copy."""
     graph = optimizer.problem.joint.graph
     attention = next(n for n in graph.nodes if "scaled_dot_product" in str(n.target))
-    output = next(u for u in attention.users if u.args[1] == 0)  # getitem 0: the output
+    output = _attention_output(attention)
     transpose = next(u for u in output.users if "transpose" in str(u.target))
     optimizer.add_node_constraint(output, (Shard(1),), name="heads sharded")
     optimizer.add_node_constraint(transpose, (Replicate(),), name="gathered before transpose")
@@ -539,11 +539,16 @@ def train_hf_family(
     return result
 
 
+def _attention_output(attention) -> Any:
+    """The node of an attention op's first result (getitem 0; the others are statistics)."""
+    return next(user for user in attention.users if user.args[1] == 0)
+
+
 def _shard_attention_heads(optimizer) -> None:
     graph = optimizer.problem.joint.graph
     for node in graph.nodes:
         if "flash_attention_for_cpu.default" in str(node.target):
-            output = next(u for u in node.users if u.args[1] == 0)
+            output = _attention_output(node)
             optimizer.add_node_constraint(
                 output, (Shard(0), Shard(1)), name=f"heads of {node.name}"
             )
