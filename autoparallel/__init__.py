@@ -6,6 +6,7 @@ from autoparallel.cost.topology import Topology
 from autoparallel.runtime import InputMismatchError, StepTiming, measure_step
 from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError
+from autoparallel.runtime.init import InitError, full_value_init
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.trace.errors import TraceError
 from autoparallel.trace.sharding_constraint import with_sharding_constraint
@@ -20,6 +21,8 @@ __all__ = [
     "measure_step",
     "StepTiming",
     "DynamicShapeError",
+    "InitError",
+    "full_value_init",
     "Plan",
     "InfeasibleConstraintsError",
     "TraceError",

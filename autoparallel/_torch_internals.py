@@ -35,6 +35,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim
 from torch.fx.experimental.symbolic_shapes import (
     GuardOnDataDependentSymNode as _GuardOnDataDependentSymNode,
 )
+from torch.utils._python_dispatch import TorchDispatchMode  # a mode sees every aten op first
 
 try:  # mirrored without their pricing by strategies/view_rules.py (see view_rule_of)
     from torch.distributed.tensor._ops import _math_ops as _dtensor_math_ops
@@ -52,6 +53,7 @@ __all__ = [
     "OpSpec",
     "OpStrategy",
     "TensorMeta",
+    "TorchDispatchMode",
     "TupleStrategy",
     "new_fake_mode",
     "export_joint",
@@ -416,3 +418,25 @@ def lookup_compile_backend(name: str) -> Callable:
     from torch._dynamo import lookup_backend
 
     return lookup_backend(name)
+
+
+# ---------------------------------------------------------------------------- initialization
+# Drawing the random values of a sharded parameter as the unsharded model would needs to see
+# each in-place random op on a DTensor before DTensor runs it locally (runtime/init.py); a
+# dispatch mode is torch's way to do that, and its base class lives in a private module.
+
+
+def is_inplace_random(func: torch._ops.OpOverload) -> bool:
+    """True for aten ops that fill their first argument with random values (``normal_``)."""
+    tags = getattr(func, "tags", ())
+    return torch.Tag.inplace in tags and torch.Tag.nondeterministic_seeded in tags
+
+
+def has_wrapper_storage(tensor: DTensor) -> bool:
+    """True when ``tensor.data = x`` gave a DTensor's wrapper a storage of its own.
+
+    A DTensor is a wrapper whose values live in its local tensor; its own storage is empty.
+    Assigning ``.data`` with a plain tensor replaces only the wrapper's storage and
+    metadata, so the values the runtime reads do not change: this is how it shows.
+    """
+    return tensor.data_ptr() != 0

@@ -15,7 +15,8 @@ Each node is evaluated on DTensors carrying the planned placements:
 3. if DTensor produced a placement other than the planned one, it is redistributed to the
    plan, so downstream nodes always see what the solver priced.
 
-A redistribution returns a fresh tensor laid out in its logical order, so the strides an op
+A redistribution returns a fresh tensor laid out in its logical order, and a result wrapped
+from a local tensor gets global strides derived from the local layout, so the strides an op
 sees at run time may differ from the trace: a ``view`` that was legal on the traced strides
 (a transposed attention output) may not be on a gathered copy. The graph is functional (no
 op writes through an alias), so a ``view`` whose input is not contiguous at run time gets a
@@ -240,11 +241,17 @@ class JointExecutor:
 
 
 def _contiguous(value: Any) -> Any:
-    """``value`` with a contiguous local tensor (a DTensor's own ``contiguous()`` reads the
-    global strides it was built with, not its local tensor's)."""
+    """``value`` laid out contiguously, locally and in its global strides.
+
+    A DTensor's own ``contiguous()`` reads the global strides it was built with, not its
+    local tensor's; and DTensor checks a ``view`` against those global strides, which for a
+    result wrapped from a local tensor (``from_local``) are derived from the local layout
+    and may not be the traced ones. Either way the traced view needs the logical order."""
     if not isinstance(value, DTensor):
         return value.contiguous()
-    if internals.local_tensor_of(value).is_contiguous():  # no traced op for the check
+    local = internals.local_tensor_of(value)
+    strides = contiguous_strides(tuple(value.shape))
+    if local.is_contiguous() and tuple(value.stride()) == strides:  # no traced op for the check
         return value
     return DTensor.from_local(
         value.to_local().contiguous(),
@@ -252,8 +259,17 @@ def _contiguous(value: Any) -> Any:
         value.placements,
         run_check=False,
         shape=value.shape,
-        stride=value.stride(),
+        stride=strides,
     )
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def redistribute_along(value: DTensor, route: Sequence, placements: Sequence) -> DTensor:

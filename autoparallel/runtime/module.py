@@ -32,6 +32,11 @@ from autoparallel import _torch_internals as internals
 from autoparallel.runtime.coalesce import reduce_gradients
 from autoparallel.runtime.dynamic import ShapeVariants
 from autoparallel.runtime.executor import JointExecutor
+from autoparallel.runtime.init import (
+    INIT_METHODS,
+    data_assignment_error,
+    run_under_full_value_init,
+)
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import placement_str
@@ -90,15 +95,16 @@ def _parallel_class(cls: type) -> type:
     """The subclass of the user's class whose ``forward`` runs the plan."""
     parallel_cls = _PARALLEL_CLASSES.get(cls)
     if parallel_cls is None:
-        parallel_cls = type(
-            f"AutoParallel{cls.__name__}",
-            (cls,),
-            {
-                "forward": _parallel_forward,
-                "load_state_dict": _load_state_dict,
-                "__module__": cls.__module__,
-            },
-        )
+        namespace = {
+            "forward": _parallel_forward,
+            "load_state_dict": _load_state_dict,
+            "__module__": cls.__module__,
+        }
+        for name in INIT_METHODS:  # written for full tensors: run them on full values
+            method = getattr(cls, name, None)
+            if callable(method):
+                namespace[name] = run_under_full_value_init(method)
+        parallel_cls = type(f"AutoParallel{cls.__name__}", (cls,), namespace)
         _PARALLEL_CLASSES[cls] = parallel_cls
     return parallel_cls
 
@@ -168,6 +174,7 @@ class _Runtime:
         self.backward_phase = TracedPhase("backward", self._backward_program)
         self.inference_phase = TracedPhase("inference", self._inference_program)
         self.variants: ShapeVariants | None = None  # set when planned with dynamic=True
+        self.initializing = False  # inside full_value_init (runtime/init.py)
 
     # torch.compile guards on a constant by equality: one runtime equals only itself.
     def __eq__(self, other: object) -> bool:
@@ -398,7 +405,11 @@ def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.
                 f"{name} is still on the meta device: call parallel_model.to_empty(device=...) and "
                 "initialize it (init_weights() / load_state_dict(...)) before running"
             )
-    batched = not torch.compiler.is_compiling() and torch.is_grad_enabled()  # Dynamo
+    eager = not torch.compiler.is_compiling()
+    for name, tensor in zip(names, tensors):
+        if eager and isinstance(tensor, DTensor) and internals.has_wrapper_storage(tensor):
+            raise data_assignment_error(name)
+    batched = eager and torch.is_grad_enabled()  # Dynamo
     trained = [  # traces to_local() itself; without grad, to_local() builds no node
         i for i, t in enumerate(tensors) if batched and isinstance(t, DTensor) and t.requires_grad
     ]
