@@ -491,82 +491,9 @@ def parameters_gathered_by_layer(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def train_hf_family(
-    rank: int, world_size: int, name: str, padded: bool = False, heads_sharded: bool = False
-) -> dict[str, Any]:
-    """A Hugging Face family as it comes (dropout off), built on CPU from seed 0 on every
-    rank, planned on a (2, 2) gloo mesh with every input and output split by rows over dp,
-    trained STEPS AdamW steps on the loss of its logits. Returns what ``train`` returns.
-
-    ``padded``: a causal LM gets a padding mask too; ``heads_sharded``: every attention
-    output is pinned sharded on heads over tp (its mask, broadcast over heads, replicated)."""
-    from autoparallel.models.hf_families import (
-        NO_DROPOUT,
-        build_hf_family,
-        hf_family,
-    )
-
-    family = hf_family(name)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    model = build_hf_family(family, "cpu", **NO_DROPOUT)
-    batches = hf_family_batches(name, padded)
-    rows = (Shard(0), Replicate())
-    with AutoParallel(model, lambda: batches[0], mesh, hardware="cpu") as autop:
-        autop.add_input_constraints([rows] * len(batches[0]))
-        outputs = [o for o in autop.sharding_optimizer.problem.joint.user_outputs if o is not None]
-        autop.add_output_constraints([rows] * len(outputs))
-        if heads_sharded:
-            _shard_attention_heads(autop.sharding_optimizer)
-        plan = autop.optimize_placement()
-        parallel = autop.apply_placement(plan)
-    optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR)
-    result: dict[str, Any] = {
-        "losses": [],
-        "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()},
-        "attention": sorted(
-            {
-                placement_str(n.strategy.output[0])
-                for n in plan.nodes.values()
-                if n.target.endswith("flash_attention_for_cpu.default")
-            }
-        ),
-    }
-    for step, batch in enumerate(batches):
-        local = {key: _local_rows(value, mesh) for key, value in batch.items()}
-        _learn_from(parallel(**local).logits, parallel, optimizer, mesh, step, result)
-    result["params"] = full_params(parallel)
-    return result
-
-
 def _attention_output(attention) -> Any:
     """The node of an attention op's first result (getitem 0; the others are statistics)."""
     return next(user for user in attention.users if user.args[1] == 0)
-
-
-def _shard_attention_heads(optimizer) -> None:
-    graph = optimizer.problem.joint.graph
-    for node in graph.nodes:
-        if "flash_attention_for_cpu.default" in str(node.target):
-            output = _attention_output(node)
-            optimizer.add_node_constraint(
-                output, (Shard(0), Shard(1)), name=f"heads of {node.name}"
-            )
-
-
-def hf_family_batches(name: str, padded: bool = False) -> list[dict[str, torch.Tensor]]:
-    from autoparallel.models.hf_families import hf_family, hf_family_inputs
-
-    generator = torch.Generator().manual_seed(1234)
-    family = hf_family(name)
-    return [hf_family_inputs(family, generator=generator, padded=padded) for _ in range(STEPS)]
-
-
-def hf_family_reference(name: str) -> torch.nn.Module:
-    from autoparallel.models.hf_families import NO_DROPOUT, build_hf_family, hf_family
-
-    torch.manual_seed(0)
-    return build_hf_family(hf_family(name), "cpu", **NO_DROPOUT)
 
 
 def check_parallel_training(

@@ -42,3 +42,19 @@ def test_a_padded_causal_lm_plans_without_replicated_fallbacks(fake_mesh):
     with AutoParallel(build_hf_family(family), lambda: inputs, mesh) as autop:
         plan = autop.optimize_placement()
     assert plan.fallbacks == []
+
+
+def test_gpt2_shards_its_vocabulary_of_50257_over_tp(fake_mesh):
+    """tp 4 does not divide GPT-2's 50257 tokens; the embedding (tied with the output) is
+    still sharded on the vocabulary over tp, 12565 rows per rank but the last (12562)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    family = hf_family("gpt2")
+    inputs = hf_family_inputs(family, batch=8, seq=64)
+    model = build_hf_family(family, vocab_size=50257)
+    with AutoParallel(model, lambda: inputs, mesh, hardware="h100") as autop:
+        autop.add_input_constraints([(Shard(0), Replicate())] * len(inputs))
+        plan = autop.optimize_placement()
+    embedding = plan.param_placements["transformer.wte.weight"]
+    assert embedding[1] == Shard(0), embedding

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from runtime_cases import (
-    LR,
-    STEPS,
-    TOLERANCE,
+from hf_cases import (
+    UNEVEN_VOCAB,
     hf_family_batches,
     hf_family_reference,
-    max_error,
     train_hf_family,
+    train_uneven_gpt2,
+    uneven_gpt2_reference,
 )
+from runtime_cases import LR, STEPS, TOLERANCE, max_error
 
 from autoparallel._testing.harness import reference_training
 
@@ -57,3 +57,24 @@ def test_masked_attention_sharded_on_heads_trains_as_on_one_device(ranks):
         assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
         assert max_error(result["grads"], reference["grads"]) < TOLERANCE
         assert max_error(result["params"], reference["params"]) < TOLERANCE
+
+
+def test_a_vocabulary_tp_does_not_divide_shards_unevenly_and_trains(ranks):
+    """GPT-2 with a vocabulary of 1001 on tp 2, its tied embedding sharded on the vocabulary
+    (501 and 500 rows): trains as on one device, and its state round-trips through DCP."""
+
+    def loss(output, batch):
+        return output.logits.float().pow(2).mean()
+
+    reference = reference_training(
+        uneven_gpt2_reference, hf_family_batches("gpt2"), STEPS, LR, loss_fn=loss
+    )
+    results = ranks(4).run(train_uneven_gpt2, timeout_s=600)
+    assert results[0]["embedding"] == "RS(0)"
+    assert sorted({r["local_rows"] for r in results}) == [500, 501]
+    assert UNEVEN_VOCAB == 1001
+    for result in results:
+        assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
+        assert max_error(result["grads"], reference["grads"]) < TOLERANCE
+        assert max_error(result["params"], reference["params"]) < TOLERANCE
+        assert result["dcp_error"] == 0.0

@@ -7,8 +7,9 @@ memory, no communication) and the plan is carried over node by node, which is ex
 1. the new graph has the same structure: the same nodes, in the same order, with the same
    ops and inputs (only shapes may differ). A model whose control flow depends on the batch
    size fails this check with an error naming the first node that differs;
-2. every planned placement still divides the new shapes evenly (the runtime keeps every
-   rank's local shape equal). If a batch does not, the error names the tensor, its global
+2. every planned placement can still hold the new shapes (strategies/rules.shardable: a dim
+   sharded over one mesh dim may be uneven but not leave a rank empty; one sharded over
+   several must divide evenly). If a batch does not, the error names the tensor, its global
    shape, its placements and the divisor it needs.
 
 Each input size is traced once and kept, per module, like the eager phases themselves.
@@ -27,7 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor.placement_types import Shard
 
-from autoparallel.strategies.rules import evenly_divisible
+from autoparallel.strategies.rules import shardable
 from autoparallel.trace.export import trace_joint
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import is_multi, placement_str
@@ -140,7 +141,7 @@ def check_same_structure(planned: JointGraph, new: JointGraph, inputs: str) -> N
 def check_divisible(
     joint: JointGraph, plan: Plan, mesh_shape: tuple[int, ...], inputs: str
 ) -> None:
-    """Every planned placement (outputs and required inputs) divides the new shapes."""
+    """Every planned placement (outputs and required inputs) can hold the new shapes."""
     for node, placements, role in _planned_layouts(joint, plan):
         value = node.meta.get("val")
         values = value if isinstance(value, (tuple, list)) else [value]
@@ -148,7 +149,7 @@ def check_divisible(
         for item, layout in zip(values, layouts):
             if not isinstance(item, torch.Tensor) or layout is None:
                 continue
-            if not evenly_divisible(layout, item.shape, mesh_shape):
+            if not shardable(layout, item.shape, mesh_shape):
                 raise DynamicShapeError(
                     _not_divisible(node.name, role, tuple(item.shape), layout, mesh_shape, inputs)
                 )
@@ -174,12 +175,22 @@ def _planned_layouts(joint: JointGraph, plan: Plan) -> list[tuple[fx.Node, Any, 
 def _not_divisible(
     name: str, role: str, shape: tuple, placements: Any, mesh_shape: tuple, inputs: str
 ) -> str:
-    divisors = [1] * len(shape)
+    divisors, splits = [1] * len(shape), [0] * len(shape)
     for mesh_size, placement in zip(mesh_shape, placements):
         if isinstance(placement, Shard):
             divisors[placement.dim % len(shape)] *= mesh_size
-    bad = [d for d, (size, div) in enumerate(zip(shape, divisors)) if size % div]
-    needs = "; ".join(f"dim {d} is {shape[d]}, not a multiple of {divisors[d]}" for d in bad)
+            splits[placement.dim % len(shape)] += 1
+    bad = [
+        d
+        for d, (size, div) in enumerate(zip(shape, divisors))
+        if splits[d] and not shardable(tuple(placements), shape, mesh_shape) and size % div
+    ]
+    needs = "; ".join(
+        f"dim {d} is {shape[d]}, not a multiple of {divisors[d]}"
+        if splits[d] > 1
+        else f"dim {d} is {shape[d]}, which leaves a rank of {divisors[d]} without a piece"
+        for d in bad
+    )
     return (
         f"inputs {inputs} do not divide as the plan requires: {name} ({role}) has global shape {shape} "
         f"laid out {placement_str(tuple(placements))}: {needs}. Use sizes whose global dims are multiples of "

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 
 from autoparallel import _torch_internals as internals
 from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
+from autoparallel.runtime.shards import contiguous_strides, wrap_shard
 from autoparallel.trace.fx_args import tensor_input_nodes
 from autoparallel.trace.sharding_constraint import sharding_constraint_op
 from autoparallel.types.graph import JointGraph
@@ -219,25 +220,30 @@ class JointExecutor:
 
         args = tree_map(prepare, node.args)
         kwargs = tree_map(prepare, dict(node.kwargs))
+        traced = node.meta.get("val")
         if node.target is sharding_constraint_op:  # an identity: its input is already in place
-            return self._conform(args[0], program.output_placements)
+            return self._conform(args[0], program.output_placements, traced)
         if "device" in kwargs:
             kwargs["device"] = self.device
         if node.target in _STRIDED_VIEWS:
             args = (_contiguous(args[0]), *args[1:])
         result = node.target(*args, **kwargs)
-        return self._conform(result, program.output_placements)
+        return self._conform(result, program.output_placements, traced)
 
-    def _conform(self, result: Any, planned: Any) -> Any:
-        """Bring an op's result to the planned placement(s)."""
+    def _conform(self, result: Any, planned: Any, traced: Any) -> Any:
+        """Bring an op's result to the planned placement(s); a local result becomes this
+        rank's piece of the traced global value (``traced``: the node's meta value)."""
         if isinstance(result, (tuple, list)):
             multi = planned if is_multi(planned) else [planned] * len(result)
-            return type(result)(self._conform(r, p) for r, p in zip(result, multi))
+            values = traced if isinstance(traced, (tuple, list)) else [None] * len(result)
+            return type(result)(self._conform(*item) for item in zip(result, multi, values))
         if not isinstance(result, torch.Tensor) or planned is None:
             return result
         if isinstance(result, DTensor):
             return redistribute(result, planned)
-        return DTensor.from_local(result, self.mesh, planned, run_check=False)
+        if not isinstance(traced, torch.Tensor):
+            return DTensor.from_local(result, self.mesh, planned, run_check=False)
+        return wrap_shard(result, self.mesh, planned, traced.shape)
 
 
 def _contiguous(value: Any) -> Any:
@@ -261,15 +267,6 @@ def _contiguous(value: Any) -> Any:
         shape=value.shape,
         stride=strides,
     )
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous (row-major) tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def redistribute_along(value: DTensor, route: Sequence, placements: Sequence) -> DTensor:
@@ -305,4 +302,4 @@ def redistribute(value: DTensor, placements: Sequence) -> DTensor:
     coordinate = mesh.get_coordinate()
     if any(coordinate[dim] != 0 for dim in to_partial):
         local = torch.zeros_like(local)
-    return DTensor.from_local(local, mesh, placements, run_check=False)
+    return wrap_shard(local, mesh, placements, value.shape)

@@ -28,6 +28,8 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
+from autoparallel.runtime.shards import wrap_shard
+
 
 @dataclass
 class SavedSlot:
@@ -37,6 +39,7 @@ class SavedSlot:
     index: int | None  # position inside a multi-output value, or None
     placements: tuple
     arity: int  # length of the multi-output value (0 for a single tensor)
+    shape: tuple[int, ...]  # the global shape (an uneven shard cannot be inferred locally)
 
 
 def flatten_saved(
@@ -48,12 +51,14 @@ def flatten_saved(
         value = env[node]
         if isinstance(value, DTensor):
             tensors.append(value.to_local())
-            slots.append(SavedSlot(node, None, tuple(value.placements), 0))
+            slots.append(SavedSlot(node, None, tuple(value.placements), 0, tuple(value.shape)))
             continue
         for index, item in enumerate(value):
             if isinstance(item, DTensor):
                 tensors.append(item.to_local())
-                slots.append(SavedSlot(node, index, tuple(item.placements), len(value)))
+                slots.append(
+                    SavedSlot(node, index, tuple(item.placements), len(value), tuple(item.shape))
+                )
     return tensors, slots
 
 
@@ -62,7 +67,7 @@ def rebuild_saved(
 ) -> dict[fx.Node, Any]:
     env: dict[fx.Node, Any] = {}
     for tensor, slot in zip(tensors, slots):
-        value = DTensor.from_local(tensor, mesh, slot.placements, run_check=False)
+        value = wrap_shard(tensor, mesh, slot.placements, slot.shape)
         if slot.index is None:
             env[slot.node] = value
             continue

@@ -38,11 +38,12 @@ from autoparallel.runtime.init import (
     run_under_full_value_init,
 )
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
+from autoparallel.runtime.shards import wrap_shard
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import placement_str
 from autoparallel.types.plan import Plan
 from autoparallel.types.strategies import StrategySpace
-from autoparallel.types.tensors import local_shape
+from autoparallel.types.tensors import local_shape_at
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +136,8 @@ def _replicate(mesh: DeviceMesh) -> list:
 def _to_dtensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
     """Shard a full tensor by the plan; a meta tensor stays meta (only its local shape)."""
     if tensor.is_meta:
-        local = torch.empty(
-            local_shape(tensor.shape, placements, mesh.shape), dtype=tensor.dtype, device="meta"
-        )
+        shape = local_shape_at(tensor.shape, placements, mesh.shape, mesh.get_coordinate())
+        local = torch.empty(shape, dtype=tensor.dtype, device="meta")
         return DTensor.from_local(
             local, mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
         )
@@ -155,7 +155,7 @@ class _Runtime:
         self.input_shapes = [tuple(n.meta["val"].shape) for n in joint.user_inputs]
         self.input_dtypes = [n.meta["val"].dtype for n in joint.user_inputs]
         self.local_input_shapes = [
-            local_shape(shape, placements, mesh.shape)
+            local_shape_at(shape, placements, mesh.shape, mesh.get_coordinate())
             for shape, placements in zip(self.input_shapes, plan.input_placements)
         ]
         order = {node: i for i, node in enumerate(joint.graph.nodes)}
@@ -262,15 +262,11 @@ class _Runtime:
         )
         env: dict[fx.Node, Any] = {}
         for (name, node), local in zip(joint.params.items(), params):
-            env[node] = DTensor.from_local(
-                local, mesh, plan.param_placements[name], run_check=False
-            )
+            env[node] = wrap_shard(local, mesh, plan.param_placements[name], _shape(node))
         for (name, node), local in zip(joint.buffers.items(), buffers):
-            env[node] = DTensor.from_local(
-                local, mesh, plan.buffer_placements[name], run_check=False
-            )
+            env[node] = wrap_shard(local, mesh, plan.buffer_placements[name], _shape(node))
         for node, local, placements in zip(joint.user_inputs, inputs, plan.input_placements):
-            env[node] = DTensor.from_local(local, mesh, placements, run_check=False)
+            env[node] = wrap_shard(local, mesh, placements, _shape(node))
         for node, constant in self.constants.items():
             env[node] = DTensor.from_local(constant, mesh, _replicate(mesh), run_check=False)
         return env
@@ -306,8 +302,8 @@ class _Runtime:
         for index, grad in zip(self.output_indices, flat[num_saved:]):
             tangent = joint.tangents.get(index)
             if tangent is not None:
-                env[tangent] = DTensor.from_local(
-                    grad.contiguous(), mesh, plan.output_placements[index], run_check=False
+                env[tangent] = wrap_shard(
+                    grad.contiguous(), mesh, plan.output_placements[index], _shape(tangent)
                 )
         self.executor.run(env, self.executor.backward_order)
         leave = self.executor.leave
@@ -330,6 +326,11 @@ class _Runtime:
             for i in self.inputs_with_grad
         ]
         return grads
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    """The traced global shape of a tensor node."""
+    return tuple(node.meta["val"].shape)
 
 
 internals.register_pytree_constant(_Runtime)

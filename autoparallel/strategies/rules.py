@@ -8,6 +8,7 @@ single-dim rule independently). The all-Replicate rule is always included.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Callable, Sequence
 
@@ -65,23 +66,52 @@ def expand_single_dim_rules(
 
 
 def all_shard_replicate(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
-    """Every Shard/Replicate combination the shape allows (evenly divisible shards only)."""
+    """Every Shard/Replicate combination the shape allows (see :func:`shardable`)."""
     choices: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
     result = []
     for combo in itertools.product(choices, repeat=len(mesh_shape)):
-        if evenly_divisible(combo, shape, mesh_shape):
+        if shardable(combo, shape, mesh_shape):
             result.append(tuple(combo))
     return result
+
+
+def shardable(
+    placements: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]
+) -> bool:
+    """True if the planner offers ``placements`` for a tensor of ``shape``.
+
+    A tensor dim sharded over one mesh dim of size n may be uneven, as DTensor allows: the
+    ranks hold ``torch.chunk`` pieces of ceil(size / n), the last ones smaller, and the cost
+    model prices the largest. Every rank must get a non-empty piece. A tensor dim sharded
+    over several mesh dims must divide evenly (nested uneven pieces are not offered).
+    """
+    ndim = len(shape)
+    sharding: dict[int, list[int]] = {}
+    for mesh_size, placement in zip(mesh_shape, placements):
+        if type(placement).__name__ == "_StridedShard":
+            return False
+        if isinstance(placement, Shard):
+            if not -ndim <= placement.dim < ndim:
+                return False
+            sharding.setdefault(placement.dim % ndim, []).append(mesh_size)
+    for dim, sizes in sharding.items():
+        size = int(shape[dim])
+        if len(sizes) > 1:
+            if size % math.prod(sizes):
+                return False
+            continue
+        pieces = sizes[0]
+        chunk = -(-size // pieces)
+        if size < pieces or chunk * (pieces - 1) >= size:
+            return False  # some rank would hold an empty piece
+    return True
 
 
 def evenly_divisible(
     placements: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]
 ) -> bool:
-    """True if every sharded tensor dim divides evenly by the mesh dims sharding it.
-
-    Uneven shards are valid DTensor, but the runtime keeps every rank's local shape equal,
-    so the planner only offers even ones.
-    """
+    """True if every sharded tensor dim divides evenly by the mesh dims sharding it: what
+    the runtime's coalesced collectives (gradient buckets, layer gathers) need."""
     ndim = len(shape)
     divisor = [1] * ndim
     for mesh_size, placement in zip(mesh_shape, placements):

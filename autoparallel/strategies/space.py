@@ -10,7 +10,8 @@ For each node, in graph order, the options come from the first source that answe
 5. otherwise a replicate-only fallback, logged as a warning and recorded in
    ``StrategySpace.fallbacks`` so the user can see which ops limited the plan.
 
-Options that shard a dimension unevenly (or use strided shards) are dropped.
+Options that shard a dimension into empty or nested uneven pieces (or use strided shards)
+are dropped (see rules.shardable).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _strategies_for(
         reason = (
             source
             if source.startswith("no ")
-            else "every DTensor option shards a dimension unevenly"
+            else "every DTensor option shards a dimension into empty or nested uneven pieces"
         )
         valid = [_fallback(node, inputs, multi, mesh_shape, space, reason)]
         source = "fallback"
@@ -237,7 +238,7 @@ def _placements_fit(placements: Any, value: Any, mesh_shape: tuple[int, ...]) ->
     if isinstance(value, torch.Tensor):
         if is_multi(placements):
             return False
-        return rules.evenly_divisible(placements, value.shape, mesh_shape)
+        return rules.shardable(placements, value.shape, mesh_shape)
     if not is_multi(placements) or len(placements) != len(value):
         return False
     return all(

@@ -64,6 +64,23 @@ def local_shape(
     return tuple(shape)
 
 
+def local_shape_at(
+    global_shape: Sequence[int],
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+) -> tuple[int, ...]:
+    """The local shape of the rank at ``coordinate`` (uneven shards: ``torch.chunk`` pieces
+    of ceil(size / n), so the last ranks may hold less), mesh dims applied in order."""
+    shape = list(int(s) for s in global_shape)
+    for mesh_size, placement, index in zip(mesh_shape, placements, coordinate):
+        if isinstance(placement, Shard):
+            dim = placement.dim % len(shape)
+            chunk = -(-shape[dim] // mesh_size)
+            shape[dim] = max(0, min(chunk, shape[dim] - chunk * index))
+    return tuple(shape)
+
+
 def local_info(
     info: TensorInfo, placements: Sequence[Placement], mesh_shape: Sequence[int]
 ) -> TensorInfo:
