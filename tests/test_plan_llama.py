@@ -159,3 +159,13 @@ def test_hugging_face_models_plan(fake_mesh, builder):
     assert not plan.fallbacks
     sharded = [n for n, p in plan.param_placements.items() if any(isinstance(x, Shard) for x in p)]
     assert len(sharded) > len(plan.param_placements) // 2
+
+
+def test_a_solve_stopped_before_any_feasible_plan_is_a_clear_error(fake_mesh):
+    """A time limit too short to find any plan meeting the constraints raises, saying what
+    to change, instead of reading a plan off an infeasible point."""
+    mesh = fake_mesh((2, 2))
+    model = meta(lambda: Llama(CONFIG))
+    with AutoParallel(model, tokens(), mesh, time_limit_s=1e-4) as autop:
+        with pytest.raises(RuntimeError, match=r"before it found a plan.*time_limit_s"):
+            autop.optimize_placement()

@@ -15,11 +15,14 @@ from autoparallel.types.tensors import local_shape, local_shape_at
     "placements, shape, mesh_shape, offered",
     [
         ((Shard(0),), (50257, 8), (4,), True),  # 12565 x 3 + 12562
+        ((Shard(0),), (255, 8), (4,), True),  # 64, 64, 64, 63
         ((Shard(0),), (5, 8), (4,), False),  # 2, 2, 1, 0: a rank without a piece
         ((Shard(0),), (3, 8), (4,), False),  # fewer rows than ranks
+        ((Shard(0),), (33, 8), (2,), False),  # 17 and 16: too small to be worth offering
+        ((Shard(0),), (193, 8), (4,), False),  # 49 x 3 + 46: pieces under 64
         ((Shard(0), Shard(0)), (6, 8), (2, 2), False),  # nested uneven pieces
         ((Shard(0), Shard(0)), (8, 8), (2, 2), True),
-        ((Replicate(), Shard(1)), (4, 7), (2, 2), True),
+        ((Replicate(), Shard(1)), (4, 129), (2, 2), True),
     ],
 )
 def test_the_planner_offers_uneven_shards_that_leave_no_rank_empty(
@@ -29,7 +32,7 @@ def test_the_planner_offers_uneven_shards_that_leave_no_rank_empty(
 
 
 def test_every_combination_offered_for_an_odd_dimension_shards_it():
-    combos = all_shard_replicate((7, 4), (2,))
+    combos = all_shard_replicate((129, 4), (2,))
     assert (Shard(0),) in combos and (Shard(1),) in combos and (Replicate(),) in combos
 
 

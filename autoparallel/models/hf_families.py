@@ -1,7 +1,7 @@
 """Common Hugging Face ``transformers`` architectures, as a user builds them, in small sizes.
 
 Each :class:`HFFamily` names a config class, the model class a user would instantiate
-(``*ForCausalLM``, ``*ForMaskedLM``, ``T5ForConditionalGeneration``,
+(``*ForCausalLM``, ``*ForMaskedLM``, ``T5ForConditionalGeneration``, ``BartForConditionalGeneration``,
 ``ViTForImageClassification``) and the few config fields that make it small. Nothing else
 is set: attention implementation, cache, dropout and masks stay the library's defaults, so
 planning one of these is planning the model exactly as it comes from ``from_config``.
@@ -136,6 +136,23 @@ HF_FAMILIES: tuple[HFFamily, ...] = (
             "num_heads": 4,
             "vocab_size": _VOCAB,
             "decoder_start_token_id": 0,
+        },
+        "seq2seq",
+    ),
+    HFFamily(
+        "bart",
+        "BartConfig",
+        "BartForConditionalGeneration",
+        {
+            "d_model": 64,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 128,
+            "decoder_ffn_dim": 128,
+            "vocab_size": _VOCAB,
+            "max_position_embeddings": 128,
         },
         "seq2seq",
     ),

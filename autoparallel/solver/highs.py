@@ -146,6 +146,9 @@ def _integral(highs: highspy.Highs, problem: Problem, options: SolverOptions) ->
     return bool(np.all(np.abs(integer - np.round(integer)) <= options.integrality_tolerance))
 
 
+_FEASIBLE = 2  # HiGHS's kSolutionStatusFeasible: the values meet every row and bound
+
+
 def _is_infeasible(status: str) -> bool:
     return "infeasible" in status.lower()
 
@@ -163,6 +166,13 @@ def solve(problem: Problem, options: SolverOptions | None = None) -> Solution:
     values = np.asarray(highs.getSolution().col_value)
     if len(values) != problem.num_variables:
         raise RuntimeError(f"HiGHS returned no solution (status: {status})")
+    if status.lower() != "optimal" and info.primal_solution_status != _FEASIBLE:
+        raise RuntimeError(
+            f"the solver stopped ({status}) after {elapsed:.0f} s before it found a plan that "
+            f"meets every constraint ({problem.num_variables} variables); give it more time "
+            "(AutoParallel(..., time_limit_s=...)) or make the problem smaller (fewer or "
+            "looser constraints, a smaller mesh)"
+        )
     relaxation = (
         bool(highs.getOptionValue("solve_relaxation")[1]) if problem.integrality.any() else True
     )

@@ -82,7 +82,10 @@ def shardable(
 
     A tensor dim sharded over one mesh dim of size n may be uneven, as DTensor allows: the
     ranks hold ``torch.chunk`` pieces of ceil(size / n), the last ones smaller, and the cost
-    model prices the largest. Every rank must get a non-empty piece. A tensor dim sharded
+    model prices the largest. Every rank must get a non-empty piece, and an uneven piece at
+    least ``MIN_UNEVEN_PIECE`` long: what uneven shards are for is a large dim that happens
+    not to divide (a vocabulary of 50257); offering them for every small odd dim (a sequence
+    of 33, 3 heads) doubled the solve time of a 3-D problem for nothing. A tensor dim sharded
     over several mesh dims must divide evenly (nested uneven pieces are not offered).
     """
     ndim = len(shape)
@@ -101,10 +104,16 @@ def shardable(
                 return False
             continue
         pieces = sizes[0]
+        if size % pieces == 0:
+            continue
         chunk = -(-size // pieces)
-        if size < pieces or chunk * (pieces - 1) >= size:
-            return False  # some rank would hold an empty piece
+        if chunk < MIN_UNEVEN_PIECE or chunk * (pieces - 1) >= size:
+            return False  # a small dim, or some rank would hold an empty piece
     return True
+
+
+MIN_UNEVEN_PIECE = 64
+"""The smallest piece (ceil(size / n)) for which an uneven shard is offered."""
 
 
 def evenly_divisible(
