@@ -82,6 +82,10 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
             optimizer.add_node_constraint(params[row], (Replicate(), Shard(1)))
         if kind == "gathered-heads":
             _gather_heads_before_transpose(autop.sharding_optimizer)
+        if kind == "ddp-pinned":  # every parameter replicated: DDP's plan
+            optimizer = autop.sharding_optimizer
+            for node in optimizer.problem.joint.params.values():
+                optimizer.add_node_constraint(node, (Replicate(),) * mesh.ndim)
         plan = autop.optimize_placement()
         parallel = autop.apply_placement(plan)
     return plan, parallel
@@ -182,12 +186,29 @@ def _train(
             result["output_error"] = (output - _local_rows(reference_out, mesh)).abs().max().item()
         _learn_from(output, parallel, optimizer, mesh, step, result)
     result["params"] = full_params(parallel)
+    if not compiled:
+        result["compute_behind_first_reduction"] = _compute_behind_first_reduction(parallel)
     if compiled:
         local = _local_rows(global_batches(model_name)[0], mesh)
         with torch.no_grad():
             result["compiled_inference_error"] = (run(local) - parallel(local)).abs().max().item()
         result["compiled_graphs"] = len(compiled_logs)
     return result
+
+
+def _compute_behind_first_reduction(parallel) -> int:
+    """Matrix multiplies of the traced backward between the first gradient all-reduce and
+    its wait: the compute that reduction overlaps."""
+    graph = parallel._autoparallel.backward_phase.graph_module.graph
+    nodes = list(graph.nodes)
+    starts = [i for i, n in enumerate(nodes) if "all_reduce" in str(n.target)]
+    if not starts:
+        return 0
+    start = nodes[starts[0]]
+    wait = next(
+        i for i, n in enumerate(nodes) if "wait_tensor" in str(n.target) and start in n.args
+    )
+    return sum(1 for n in nodes[starts[0] : wait] if n.target == torch.ops.aten.mm.default)
 
 
 def _learn_from(output, parallel, optimizer, mesh, step: int, result: dict[str, Any]) -> None:
@@ -516,9 +537,11 @@ def check_parallel_training(
     assert rank0["layers_traced_once"] == (model_name == "llama-deep")
     if model_name == "mlp-constrained":  # the hidden activation and its gradient, replicated
         assert rank0["constrained"] == ["R", "R"]
-    elif kind == "ddp":
+    elif kind in ("ddp", "ddp-pinned"):
         assert set(placements.values()) == {"R"}
         assert rank0["all_reduces"] >= 1  # gradients are summed across ranks
+        if kind == "ddp-pinned":  # the first bucket's all-reduce runs behind the backward
+            assert rank0["compute_behind_first_reduction"] > 0
     elif kind == "gathered-heads":
         assert rank0["heads_gathered"]
     elif kind == "fsdp":

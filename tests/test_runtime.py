@@ -25,6 +25,7 @@ from runtime_cases import (
         ("mlp", (4,), "fsdp"),
         ("mlp", (2, 2), "tp"),
         ("llama", (2,), "fsdp"),
+        ("llama", (2,), "ddp-pinned"),  # two gradient buckets, the first overlapped
         ("llama", (2, 2), "tp"),
         ("llama", (2,), "gathered-heads"),  # a traced view on a gathered copy
         ("llama-deep", (2,), "fsdp"),  # its graph is built from 3 and 4 traced layers
@@ -126,3 +127,32 @@ def test_identity_views_leave_the_local_graph():
     assert torch.equal(doubled, torch.arange(12.0).view(3, 4) * 2)
     assert torch.equal(flat, torch.arange(12.0))
     assert returned.shape == (3, 4)
+
+
+def test_a_collective_starts_when_its_inputs_are_ready_and_is_waited_for_last():
+    """issue_collectives_early on a hand-built graph: the all-reduce of ``a`` moves with its
+    packing view to just after ``a``, ahead of the matmuls that do not need it, and its wait
+    moves to just before the one op that reads the result."""
+    import torch
+    import torch.fx as fx
+
+    from autoparallel.runtime.local_graph import issue_collectives_early
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.ops.aten.mm.default, (x, x))
+    b = graph.call_function(torch.ops.aten.mm.default, (x, x))
+    c = graph.call_function(torch.ops.aten.mm.default, (b, b))
+    flat = graph.call_function(torch.ops.aten.view.default, (a, [-1]))
+    reduced = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (flat, "sum", "0"))
+    waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
+    d = graph.call_function(torch.ops.aten.mm.default, (c, c))
+    total = graph.call_function(torch.ops.aten.add.Tensor, (d, waited))
+    graph.output(total)
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    assert issue_collectives_early(module) == 1
+    order = list(module.graph.nodes)
+    assert order.index(flat) == order.index(a) + 1
+    assert order.index(reduced) == order.index(flat) + 1
+    assert order.index(reduced) < order.index(c) < order.index(d) < order.index(waited)
+    assert order.index(waited) == order.index(total) - 1

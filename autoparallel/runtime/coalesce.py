@@ -41,12 +41,21 @@ def reduce_gradients(
     routes: Sequence[tuple],
     placements: Sequence[tuple],
     mesh: DeviceMesh,
+    ready_order: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """The local tensor of each ``values[i]`` moved along ``routes[i]`` to ``placements[i]``,
-    with the single-step sum reductions coalesced (see the module docstring)."""
+    with the single-step sum reductions coalesced (see the module docstring).
+
+    ``ready_order[i]`` is when gradient i becomes final in the backward (its node's position):
+    buckets fill in that order, the first one small, so that the first bucket's collective can
+    start while the backward still computes the earlier layers (local_graph.py moves it)."""
+    order = sorted(
+        range(len(values)), key=lambda i: ready_order[i] if ready_order is not None else i
+    )
     results: list[torch.Tensor | None] = [None] * len(values)
     groups: dict[Reduction, list[int]] = {}
-    for index, (value, route, target) in enumerate(zip(values, routes, placements)):
+    for index in order:
+        value, route, target = values[index], routes[index], placements[index]
         reduction = coalescable(value, route, tuple(target), mesh)
         if reduction is None:
             results[index] = redistribute_along(value, route, target).to_local()
@@ -61,7 +70,7 @@ def reduce_gradients(
             continue
         local = {i: values[i].to_local() for i in members}  # once: each is a traced op
         sizes = [_nbytes(local[i]) for i in members]
-        for bucket in capped_buckets(members, sizes, BUCKET_CAP_BYTES):
+        for bucket in capped_buckets(members, sizes, BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES):
             reduced = _reduce_together([local[i] for i in bucket], reduction, mesh)
             for index, tensor in zip(bucket, reduced):
                 results[index] = tensor
@@ -75,13 +84,22 @@ above glibc's mmap threshold (32 MiB at most) is fresh pages on every step, whos
 touch runs at a fraction of the memory bandwidth."""
 
 
-def capped_buckets(members: list[int], sizes: list[int], cap: int) -> list[list[int]]:
-    """``members`` in order, cut into runs of at most ``cap`` bytes (``sizes[i]`` is
-    ``members[i]``'s); a single larger member gets a run of its own."""
+FIRST_BUCKET_CAP_BYTES = 1 << 20
+"""The first bucket's cap (DDP's first bucket is 1 MiB too): the gradients that are final
+first go out early, while the rest of the backward runs."""
+
+
+def capped_buckets(
+    members: list[int], sizes: list[int], cap: int, first_cap: int | None = None
+) -> list[list[int]]:
+    """``members`` in order, cut into runs of at most ``cap`` bytes (``first_cap`` for the
+    first run; ``sizes[i]`` is ``members[i]``'s); a single larger member gets a run of its
+    own."""
     buckets: list[list[int]] = [[]]
     total = 0
     for index, nbytes in zip(members, sizes):
-        if buckets[-1] and total + nbytes > cap:
+        limit = first_cap if first_cap is not None and len(buckets) == 1 else cap
+        if buckets[-1] and total + nbytes > limit:
             buckets.append([])
             total = 0
         buckets[-1].append(index)

@@ -100,6 +100,7 @@ class TracedPhase:
         with torch.no_grad():
             graph_module = make_fx(self.function)(*tensors)
         drop_identity_views(graph_module)
+        issue_collectives_early(graph_module)
         self.graph_module = graph_module
 
 
@@ -136,3 +137,94 @@ def _same_layout(source: fx.Node, view: fx.Node) -> bool:
     if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
         return False
     return before.shape == after.shape and before.stride() == after.stride()
+
+
+_WAIT = "_c10d_functional.wait_tensor"
+
+
+def _is_collective(node: fx.Node) -> bool:
+    """A functional collective's start (it returns at once; ``wait_tensor`` blocks)."""
+    name = str(node.target)
+    return node.op == "call_function" and name.startswith("_c10d_functional.") and _WAIT not in name
+
+
+def issue_collectives_early(graph_module: fx.GraphModule) -> int:
+    """Start each collective as soon as its inputs are ready and wait for it as late as its
+    first reader allows, so that it runs (on gloo's or NCCL's own threads) while the ops in
+    between compute; returns how many collectives moved.
+
+    A collective moves with the packing ops only it reads (a bucket's flattening views and
+    ``cat``) to just after the last op it depends on, never ahead of a collective that came
+    before it (every rank keeps issuing them in one order). One whose inputs are all graph
+    inputs stays where it is (starting every parameter gather at the top would hold every
+    layer unsharded at once). Each ``wait_tensor`` moves to just before its first reader.
+    Values are unchanged: only the order of independent ops changes.
+    """
+    graph = graph_module.graph
+    moved, floor = 0, None
+    for node in [n for n in graph.nodes if _is_collective(n)]:
+        floor, moved_now = _start_early(graph, node, floor)
+        moved += moved_now
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for wait in reversed([n for n in graph.nodes if _WAIT in str(n.target)]):
+        if wait.users:
+            first = min(wait.users, key=position.__getitem__)
+            if first.prev is not wait:
+                first.prepend(wait)
+    graph.lint()
+    graph_module.recompile()
+    return moved
+
+
+def _start_early(
+    graph: fx.Graph, collective: fx.Node, floor: fx.Node | None
+) -> tuple[fx.Node, int]:
+    """Move ``collective`` and its packing ops up to just after what they read (and after
+    ``floor``, the previous collective); returns the new floor and whether it moved."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    chain = _packing_chain(collective)
+    members = set(chain)
+    external = {arg for node in chain for arg in node.all_input_nodes if arg not in members}
+    if not external or all(arg.op == "placeholder" for arg in external):
+        return collective, 0
+    anchor = max(external, key=position.__getitem__)
+    if floor is not None and position[floor] > position[anchor]:
+        anchor = floor
+    preceding = chain[0].prev
+    for node in chain:
+        anchor.append(node)
+        anchor = node
+    return collective, int(chain[0].prev is not preceding)
+
+
+_PACKING_OPS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.cat.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default,
+}
+"""Ops that lay a collective's input out (the bucket's flat buffer), not compute."""
+
+
+def _packing_chain(collective: fx.Node) -> list[fx.Node]:
+    """``collective`` and the packing ops whose every reader is in that set, in graph order."""
+    members = {collective}
+    frontier = list(collective.all_input_nodes)
+    while frontier:
+        node = frontier.pop()
+        if node in members or node.op != "call_function" or node.target not in _PACKING_OPS:
+            continue
+        if not all(user in members for user in node.users):
+            continue
+        members.add(node)
+        frontier.extend(node.all_input_nodes)
+    return [node for node in collective.graph.nodes if node in members]

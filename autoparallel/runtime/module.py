@@ -163,6 +163,11 @@ class _Runtime:
         self.saved_slots: list[SavedSlot] = []
         self.output_indices = [i for i, out in enumerate(joint.user_outputs) if out is not None]
         self.params_with_grad = [name for name in joint.params if name in joint.param_grads]
+        backward = {node: i for i, node in enumerate(executor.backward_order)}
+        # when each gradient is final in the backward: the order its reductions fill buckets
+        self.gradient_ready = [
+            backward.get(joint.param_grads[name], len(backward)) for name in self.params_with_grad
+        ]
         self.inputs_with_grad = sorted(joint.input_grads)
         # tensors the model created while traced (``torch.tensor(...)`` in its forward): the
         # graph reads them as attributes; every rank holds them whole
@@ -315,6 +320,7 @@ class _Runtime:
             ],
             [plan.param_placements[name] for name in self.params_with_grad],
             mesh,
+            self.gradient_ready,
         )
         grads += [
             leave(
