@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test demo lint format venv clean
+.PHONY: test demo lint format venv clean compat
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,5 +36,21 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/autoparallel plan --model llama3-8b --mesh 8x8 --mesh-names dp,tp \
 		--batch 8 --seq 2048 --layers 32 --html plan.html
 
+# The suite on another torch release, in its own venv: `make compat TORCH=2.14.1`. Run by hand,
+# not in CI: it installs that release's full wheel (several GB).
+TORCH ?=
+COMPAT_VENV := .venv-torch-$(TORCH)
+
+$(COMPAT_VENV)/.installed: pyproject.toml
+	test -n "$(TORCH)" || { echo 'usage: make compat TORCH=<version>'; exit 2; }
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install -q torch==$(TORCH)
+	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
+compat: $(COMPAT_VENV)/.installed
+	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=10 tests
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) .venv-torch-* *.egg-info

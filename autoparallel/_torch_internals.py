@@ -244,6 +244,10 @@ class SingleDimRules(NamedTuple):
     allow_uneven_sharding: bool
     shardable: Callable[[int, tuple], bool]  # (tensor input index, placements) -> DTensor's check
     input_placements: list[tuple]  # the placements the schema gave each tensor input
+    # (input placements, output placements or None per output) -> the op's own full-mesh
+    # filter (torch >= 2.14: mean, argmax/argmin, convolution, grouped_mm); None: no filter
+    accepts: Callable[[list[tuple], list[tuple | None]], bool] | None
+    list_output: bool  # a Tensor[] return: the output is a tuple even for one tensor
 
 
 def single_dim_rules(
@@ -256,9 +260,10 @@ def single_dim_rules(
     most of the strategies stage. ``_PreparedSingleDimStrategy`` gives the same rules that
     expander multiplies out (Replicate rule inserted, ShardingPlaceholders filled from the
     inputs' placements), and ``is_tensor_shardable`` is the input filter it applies.
-    Returns None wherever the expander does more than a plain product and filter (foreach and
-    list inputs, in-place and out= ops, inputs on other meshes) or the private API is gone:
-    callers then keep using DTensor's expander.
+    Returns None wherever the expander does more than a plain product and filter (foreach
+    ops, in-place and out= ops, inputs on other meshes) or the private API is gone: callers
+    then keep using DTensor's expander. Other list inputs (``cat``, a single-dim op from torch
+    2.14 on) are a plain product over the list's tensors, flattened as DTensor flattens them.
     """
     try:
         from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
@@ -268,8 +273,9 @@ def single_dim_rules(
     info = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs.get(op)
     if info is None or getattr(info, "different_mesh_args", None) is not None:
         return None
-    if any(
-        isinstance(a, TupleStrategy) for a in (*schema.args_schema, *schema.kwargs_schema.values())
+    # DTensor expands foreach ops per list element (its own loop, not a product)
+    if any(isinstance(a, TupleStrategy) for a in schema.args_schema) and op.name().startswith(
+        ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")
     ):
         return None
     base_name = op.name().split("::")[-1].split(".")[0]
@@ -291,12 +297,48 @@ def single_dim_rules(
             inputs[index].shape, spec, allow_unbacked_sharding=allow_unbacked
         )
 
+    # A Tensor[] return (torch 2.14's split rules; in 2.13 only foreach ops, handled above,
+    # return lists) stays a tuple of outputs even when it holds one tensor.
+    list_output = schema.return_type_list_tensor_like() and isinstance(output_meta, (tuple, list))
+    # torch >= 2.14: some rules come with a filter of the full-mesh candidates
+    full_mesh_filter = getattr(prepared, "full_mesh_strategy_filter", None)
+    accepts = None
+    if full_mesh_filter is not None:
+        filter_mesh = prepared.element_mesh or mesh
+        input_metas = [inp.tensor_meta for inp in inputs]
+        if output_meta is None or isinstance(output_meta, TensorMeta):
+            output_metas: list = [output_meta]
+        else:
+            output_metas = list(output_meta)
+
+        def accepts(input_placements: list[tuple], output_placements: list[tuple | None]) -> bool:
+            input_specs = [
+                DTensorSpec(filter_mesh, tuple(p), tensor_meta=meta)
+                for p, meta in zip(input_placements, input_metas)
+            ]
+            # as DTensor's expander: the k-th output that has placements gets the k-th meta
+            metas = iter(output_metas)
+            output_specs = [
+                None
+                if p is None
+                else DTensorSpec(filter_mesh, tuple(p), tensor_meta=next(metas, None))
+                for p in output_placements
+            ]
+            outputs = (
+                output_specs[0]
+                if len(output_specs) == 1 and not list_output
+                else tuple(output_specs)
+            )
+            return bool(full_mesh_filter(filter_mesh, schema, input_specs, outputs))
+
     return SingleDimRules(
         [list(rule) for rule in prepared.expanded_strategies],
         prepared.num_outputs,
         bool(prepared.allow_uneven_sharding),
         shardable,
         [tuple(inp.strategies[0].output_spec.placements) for inp in inputs],
+        accepts,
+        list_output,
     )
 
 

@@ -92,7 +92,8 @@ def _expand_single_dim(
     """DTensor's single-mesh-dim rules for ``node``, multiplied out over the mesh by us.
 
     Yields exactly the placements of DTensor's expander (same rules, same order, same
-    filters: mixed-partial specs, unshardable inputs) without its redistribution pricing.
+    filters: mixed-partial specs, unshardable inputs, the op's own full-mesh filter) without
+    its redistribution pricing.
     None whenever that equivalence is not certain; the caller then asks DTensor's expander.
     """
     try:
@@ -129,6 +130,8 @@ def _expand_single_dim(
             None if combo[0][pos] is None else tuple(rule[pos] for rule in combo)
             for pos in range(width)
         ]
+        if any(col is not None and None in col for col in columns):
+            return None  # a position with a tensor on some mesh dims only: DTensor decides
         if any(col is not None and _mixed_partials(col) for col in columns):
             continue
         inputs = [col for col in columns[num_outputs:] if col is not None]
@@ -138,14 +141,21 @@ def _expand_single_dim(
             continue
         if len(inputs) != num_inputs:
             continue  # as _convert drops it
+        if (
+            found.accepts is not None
+            and num_outputs > 0
+            and not found.accepts(inputs, columns[:num_outputs])
+        ):
+            continue  # the op's own full-mesh filter
         if num_outputs == 0:
             output: OutputPlacements | None = None
-        elif num_outputs == 1:
+        elif num_outputs == 1 and not found.list_output:
             output = columns[0]
         else:
             output = tuple(columns[:num_outputs])
         strategies.append(Strategy(output=output, inputs=tuple(inputs)))
-    return strategies
+    # none left: DTensor's expander raises (torch 2.14) or answers empty; let it
+    return strategies or None
 
 
 def _mixed_partials(placements: tuple) -> bool:
