@@ -156,3 +156,31 @@ def test_a_collective_starts_when_its_inputs_are_ready_and_is_waited_for_last():
     assert order.index(reduced) == order.index(flat) + 1
     assert order.index(reduced) < order.index(c) < order.index(d) < order.index(waited)
     assert order.index(waited) == order.index(total) - 1
+
+
+def test_the_next_layers_parameter_gather_starts_before_this_layers_compute():
+    """Gathers of graph inputs (parameters) move one ahead, FSDP's prefetch: layer 2's
+    all-gather starts where layer 1's was, before layer 1's matmul; the first stays."""
+    import torch
+    import torch.fx as fx
+
+    from autoparallel.runtime.local_graph import issue_collectives_early
+
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    graph = fx.Graph()
+    x, first, second = (graph.placeholder(name) for name in ("x", "w1", "w2"))
+    gathered_first = graph.call_function(gather, (first, 2, "0"))
+    full_first = graph.call_function(wait, (gathered_first,))
+    hidden = graph.call_function(torch.ops.aten.mm.default, (x, full_first))
+    gathered_second = graph.call_function(gather, (second, 2, "0"))
+    full_second = graph.call_function(wait, (gathered_second,))
+    out = graph.call_function(torch.ops.aten.mm.default, (hidden, full_second))
+    graph.output(out)
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    assert issue_collectives_early(module, parameter_inputs=0) == 0  # not parameters: stay
+    assert issue_collectives_early(module, parameter_inputs=3) == 1
+    order = list(module.graph.nodes)
+    assert order.index(gathered_first) < order.index(gathered_second) < order.index(hidden)
+    assert order.index(full_first) == order.index(hidden) - 1
+    assert order.index(full_second) == order.index(out) - 1

@@ -79,9 +79,12 @@ def rebuild_saved(
 class TracedPhase:
     """A phase function, traced into a local graph on its first call."""
 
-    def __init__(self, name: str, function: Callable[..., list[torch.Tensor]]):
+    def __init__(
+        self, name: str, function: Callable[..., list[torch.Tensor]], parameter_inputs: int = 0
+    ):
         self.name = name
         self.function = function
+        self.parameter_inputs = parameter_inputs  # leading inputs that are parameters
         self.graph_module: fx.GraphModule | None = None
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -100,7 +103,7 @@ class TracedPhase:
         with torch.no_grad():
             graph_module = make_fx(self.function)(*tensors)
         drop_identity_views(graph_module)
-        issue_collectives_early(graph_module)
+        issue_collectives_early(graph_module, self.parameter_inputs)
         self.graph_module = graph_module
 
 
@@ -148,23 +151,37 @@ def _is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and name.startswith("_c10d_functional.") and _WAIT not in name
 
 
-def issue_collectives_early(graph_module: fx.GraphModule) -> int:
+def issue_collectives_early(graph_module: fx.GraphModule, parameter_inputs: int = 0) -> int:
     """Start each collective as soon as its inputs are ready and wait for it as late as its
     first reader allows, so that it runs (on gloo's or NCCL's own threads) while the ops in
     between compute; returns how many collectives moved.
 
     A collective moves with the packing ops only it reads (a bucket's flattening views and
-    ``cat``) to just after the last op it depends on, never ahead of a collective that came
-    before it (every rank keeps issuing them in one order). One whose inputs are all graph
-    inputs stays where it is (starting every parameter gather at the top would hold every
-    layer unsharded at once). Each ``wait_tensor`` moves to just before its first reader.
-    Values are unchanged: only the order of independent ops changes.
+    ``cat``, a parameter's cast) to just after the last op it depends on, never ahead of a
+    collective that came before it (every rank keeps issuing them in one order). A gather
+    of parameters (the first ``parameter_inputs`` graph inputs) would move to the top,
+    holding every layer unsharded at once: it moves one such gather ahead instead, to where
+    the previous one was, so the next layer's gather runs during this layer's compute
+    (FSDP's prefetch; two layers unsharded at a time). A collective of other graph inputs
+    stays. Each ``wait_tensor`` moves to just before its first reader. Values are
+    unchanged: only the order of independent ops changes.
     """
     graph = graph_module.graph
-    moved, floor = 0, None
+    parameters = set(list(graph.find_nodes(op="placeholder"))[:parameter_inputs])
+    moved, floor, previous_gather = 0, None, None
     for node in [n for n in graph.nodes if _is_collective(n)]:
-        floor, moved_now = _start_early(graph, node, floor)
-        moved += moved_now
+        chain = _packing_chain(node)
+        external = {arg for member in chain for arg in member.all_input_nodes if arg not in chain}
+        if all(arg.op == "placeholder" for arg in external):
+            if external and external <= parameters:
+                anchor, previous_gather = previous_gather, chain[0].prev
+            else:
+                anchor = None
+        else:
+            anchor = _last(graph, external)
+        if anchor is not None:
+            moved += _move_after(graph, chain, anchor, floor)
+        floor = node
     position = {node: i for i, node in enumerate(graph.nodes)}
     for wait in reversed([n for n in graph.nodes if _WAIT in str(n.target)]):
         if wait.users:
@@ -176,25 +193,23 @@ def issue_collectives_early(graph_module: fx.GraphModule) -> int:
     return moved
 
 
-def _start_early(
-    graph: fx.Graph, collective: fx.Node, floor: fx.Node | None
-) -> tuple[fx.Node, int]:
-    """Move ``collective`` and its packing ops up to just after what they read (and after
-    ``floor``, the previous collective); returns the new floor and whether it moved."""
+def _last(graph: fx.Graph, nodes: set[fx.Node]) -> fx.Node:
     position = {node: i for i, node in enumerate(graph.nodes)}
-    chain = _packing_chain(collective)
-    members = set(chain)
-    external = {arg for node in chain for arg in node.all_input_nodes if arg not in members}
-    if not external or all(arg.op == "placeholder" for arg in external):
-        return collective, 0
-    anchor = max(external, key=position.__getitem__)
-    if floor is not None and position[floor] > position[anchor]:
+    return max(nodes, key=position.__getitem__)
+
+
+def _move_after(
+    graph: fx.Graph, chain: list[fx.Node], anchor: fx.Node, floor: fx.Node | None
+) -> int:
+    """Move ``chain`` (in order) to just after ``anchor``, or after ``floor`` (the previous
+    collective) if that is later; 1 if it moved."""
+    if floor is not None and _last(graph, {anchor, floor}) is floor:
         anchor = floor
     preceding = chain[0].prev
     for node in chain:
         anchor.append(node)
         anchor = node
-    return collective, int(chain[0].prev is not preceding)
+    return int(chain[0].prev is not preceding)
 
 
 _PACKING_OPS = {

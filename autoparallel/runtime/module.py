@@ -175,7 +175,9 @@ class _Runtime:
             node: getattr(joint.graph_module, node.target).to(executor.device)
             for node in joint.graph.find_nodes(op="get_attr")
         }
-        self.forward_phase = TracedPhase("forward", self._forward_program)
+        self.forward_phase = TracedPhase(
+            "forward", self._forward_program, parameter_inputs=len(joint.params)
+        )
         self.backward_phase = TracedPhase("backward", self._backward_program)
         self.inference_phase = TracedPhase("inference", self._inference_program)
         self.variants: ShapeVariants | None = None  # set when planned with dynamic=True
