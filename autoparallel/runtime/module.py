@@ -408,14 +408,13 @@ class _UnwrapParameters(torch.autograd.Function):
 
 def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.Tensor]:
     tensors = [get(name) for name in names]
-    for name, tensor in zip(names, tensors):
+    eager = not torch.compiler.is_compiling()
+    for name, tensor in zip(names, tensors):  # one pass per step: both checks are cheap
         if tensor.is_meta:
             raise RuntimeError(
                 f"{name} is still on the meta device: call parallel_model.to_empty(device=...) and "
                 "initialize it (init_weights() / load_state_dict(...)) before running"
             )
-    eager = not torch.compiler.is_compiling()
-    for name, tensor in zip(names, tensors):
         if eager and isinstance(tensor, DTensor) and internals.has_wrapper_storage(tensor):
             raise data_assignment_error(name)
     batched = eager and torch.is_grad_enabled()  # Dynamo
