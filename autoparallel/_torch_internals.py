@@ -87,6 +87,17 @@ def all_reduce_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tens
     return _funcol.wait_tensor(_funcol.all_reduce(tensor, "sum", (mesh, mesh_dim)))
 
 
+def start_all_reduce_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """:func:`all_reduce_sum` issued but not waited on: pass the result to
+    :func:`wait_tensor` before reading it (the collective runs meanwhile)."""
+    return _funcol.all_reduce(tensor, "sum", (mesh, mesh_dim))
+
+
+def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The result of a functional collective, once it has finished."""
+    return _funcol.wait_tensor(tensor)
+
+
 def all_gather_rows(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """Every rank's ``tensor`` of ``mesh_dim`` stacked along dim 0 in rank order, waited on."""
     return _funcol.wait_tensor(_funcol.all_gather_tensor(tensor, 0, (mesh, mesh_dim)))

@@ -17,7 +17,7 @@ from autoparallel.calibrate.fit import fit_optimizer_step
 from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.hardware import CPU
 from autoparallel.models import MLP
-from autoparallel.runtime.coalesce import capped_buckets
+from autoparallel.types.bucketing import capped_buckets
 from autoparallel.types.tensors import TensorInfo
 
 aten = torch.ops.aten
@@ -133,11 +133,14 @@ def test_the_presets_do_not_price_the_optimizer_step(fake_mesh):
     assert plan.totals.optimizer_us == 0.0 and plan.priced_on == "cpu"
 
 
-def test_gradient_buckets_are_capped_in_order():
+def test_gradient_buckets_close_in_order_once_full():
+    """As DDP's: a bucket closes with the gradient that fills it, so a large gradient goes
+    out as soon as it is final; the first bucket closes at its own, smaller cap."""
     mib = 1 << 20
     sizes = [10 * mib, 10 * mib, 10 * mib, 40 * mib, 1 * mib]
-    assert capped_buckets([0, 1, 2, 3, 4], sizes, 25 * mib) == [[0, 1], [2], [3], [4]]
+    assert capped_buckets([0, 1, 2, 3, 4], sizes, 25 * mib) == [[0, 1, 2], [3], [4]]
     assert capped_buckets([7, 8], [mib, mib], 25 * mib) == [[7, 8]]
+    assert capped_buckets([0, 1, 2], [4096, 16 * mib, 4096], 25 * mib, mib) == [[0, 1], [2]]
 
 
 def test_measure_step_times_the_step_beside_the_prediction(fake_mesh):

@@ -99,6 +99,52 @@ def time_collective(
     )
 
 
+@dataclass(frozen=True)
+class OverlapSample:
+    """One all-reduce and a run of matmuls of about its length, timed apart and together."""
+
+    comm_us: float
+    compute_us: float
+    both_us: float
+
+    @property
+    def fraction(self) -> float:
+        """How much of the shorter of the two hid behind the other, within [0, 1]."""
+        hidden = self.comm_us + self.compute_us - self.both_us
+        return min(1.0, max(0.0, hidden / min(self.comm_us, self.compute_us)))
+
+
+def overlap(
+    nbytes: int, mesh: DeviceMesh, mesh_dim: int, repeats: int, device: torch.device
+) -> OverlapSample:
+    """An all-reduce of ``nbytes`` along ``mesh_dim`` with matmuls on the host meanwhile,
+    issued as the runtime issues a bucket (started, then waited on after the compute): how
+    far the collective's threads (gloo) or stream (NCCL) slow the compute down."""
+    buffer = torch.ones(nbytes // _ELEMENT.itemsize, dtype=_ELEMENT, device=device)
+    a = torch.randn(256, 256, device=device)
+    dist.barrier()
+    comm_us = slowest_rank(
+        _median_us(lambda: internals.all_reduce_sum(buffer, mesh, mesh_dim), repeats, device),
+        device,
+    )
+    matmul_us = slowest_rank(_median_us(lambda: torch.mm(a, a), repeats, device), device)
+    count = max(1, round(comm_us / max(matmul_us, 1e-3)))
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    def both() -> None:
+        pending = internals.start_all_reduce_sum(buffer, mesh, mesh_dim)
+        compute()
+        internals.wait_tensor(pending)
+
+    compute_us = slowest_rank(_median_us(compute, repeats, device), device)
+    dist.barrier()
+    both_us = slowest_rank(_median_us(both, repeats, device), device)
+    return OverlapSample(comm_us, compute_us, both_us)
+
+
 def matmul_flops(dtype: torch.dtype, size: int, repeats: int, device: torch.device) -> float:
     """FLOP/s of a ``size`` x ``size`` by ``size`` x ``size`` matmul in ``dtype`` (slowest rank)."""
     a = torch.randn(size, size, device=device).to(dtype)

@@ -123,6 +123,7 @@ def calibrate_group(
     device_figures = _time_device(device, mesh, settings, say, samples)
     blocks.time_round(settings.repeats, device)
     fits = _fit_links(_time_collectives(mesh, topology, settings, say, samples), say)
+    device_figures["overlap_fraction"] = _time_overlap(mesh, settings, say, samples, device)
     for _ in range(settings.rounds - 1):
         blocks.time_round(settings.repeats, device)
     device_figures.update(blocks.fit(device, device_figures, say, samples))
@@ -189,6 +190,38 @@ def _time_collectives(
                     f"(rounds: {', '.join(f'{t.time_us:.0f}' for t in timings)})"
                 )
     return by_link
+
+
+OVERLAP_PROBE_BYTES = 4 << 20  # an all-reduce of about a bucket's size on a small model
+
+
+def _time_overlap(
+    mesh: Any,
+    settings: CalibrationSettings,
+    say: Callable[[str], None],
+    samples: list,
+    device: torch.device,
+) -> float:
+    """``Hardware.overlap_fraction``: the median over rounds of how much of an all-reduce
+    hides behind compute (mesh dim 0; 0 on a single rank, where nothing is reduced)."""
+    if mesh.size(0) == 1:
+        return 0.0
+    rounds = [
+        measure.overlap(OVERLAP_PROBE_BYTES, mesh, 0, settings.repeats, device)
+        for _ in range(settings.rounds)
+    ]
+    for sample in rounds:
+        samples.append({"what": "overlap", **dataclasses.asdict(sample)})
+    fraction = statistics.median(sample.fraction for sample in rounds)
+    say(
+        f"[calibrate] overlap: all-reduce of {_bytes(OVERLAP_PROBE_BYTES)} beside matmuls: "
+        f"{fraction:.2f} of it hidden (rounds: "
+        + ", ".join(
+            f"{s.comm_us:.0f} + {s.compute_us:.0f} us -> {s.both_us:.0f} us" for s in rounds
+        )
+        + ")"
+    )
+    return fraction
 
 
 def _fit_links(
@@ -385,6 +418,7 @@ def _hardware(
         optimizer_step_us=figures["optimizer_step_us"],
         optimizer_us_per_tensor=figures["optimizer_us_per_tensor"],
         optimizer_ns_per_element=figures["optimizer_ns_per_element"],
+        overlap_fraction=figures["overlap_fraction"],
         memory_bytes=memory,
         supports_fp8=fp8,
         collectives=tuple(fits),

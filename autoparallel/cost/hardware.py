@@ -103,6 +103,11 @@ class Hardware:
     optimizer_step_us: float = 0.0
     optimizer_us_per_tensor: float = 0.0
     optimizer_ns_per_element: float = 0.0
+    # how much of a collective hides behind compute that runs at the same time: hiding
+    # min(compute, comm) * overlap_fraction of it. 1 would be a device whose collectives
+    # never slow its compute; GPUs lose a little to the SMs NCCL's kernels take (0.9);
+    # on a CPU gloo's threads compete with the ops for the cores (calibrate measures it).
+    overlap_fraction: float = 0.9
 
     def optimizer_us(self, local_numel: int) -> float:
         """The optimizer step's time for one parameter tensor of ``local_numel`` elements."""
@@ -203,6 +208,7 @@ CPU = Hardware(
     kernel_launch_us=5.0,
     memory_bytes=64 * _GB,
     supports_fp8=False,
+    overlap_fraction=0.5,
 )
 
 HARDWARE_PRESETS: dict[str, Hardware] = {hw.name: hw for hw in (H100, A100, H200, B200, CPU)}

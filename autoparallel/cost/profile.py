@@ -66,7 +66,9 @@ def hardware_from_dict(data: dict[str, Any], where: str = "hardware") -> Hardwar
     for field in dataclasses.fields(Hardware):
         if field.name not in known:
             continue
-        if field.type in ("float", float):
+        if field.name in _FRACTIONS:
+            known[field.name] = _fraction(known[field.name], f"{where}.{field.name}")
+        elif field.type in ("float", float):
             check = _non_negative if field.default == 0.0 else _positive
             known[field.name] = check(known[field.name], f"{where}.{field.name}")
         elif field.type in ("bool", bool) and not isinstance(known[field.name], bool):
@@ -108,6 +110,16 @@ def _positive(value: Any, where: str) -> float:
     number = _number(value, where)
     if number <= 0:
         raise ProfileError(f"{where} must be positive, got {number}")
+    return number
+
+
+_FRACTIONS = frozenset({"overlap_fraction"})  # figures within [0, 1]
+
+
+def _fraction(value: Any, where: str) -> float:
+    number = _number(value, where)
+    if not 0.0 <= number <= 1.0:
+        raise ProfileError(f"{where} must be within [0, 1], got {number}")
     return number
 
 

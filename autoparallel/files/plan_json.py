@@ -10,7 +10,10 @@ Sections: ``mesh``, ``hardware``, ``totals``, ``solver``, ``parameters`` (with t
 each device holds), ``inputs``/``outputs``, ``nodes`` (placements and costs per node),
 ``collectives`` (every redistribution, classified per mesh dim by :func:`collective_kind`),
 ``layers`` (cost per module), ``buckets`` (collectives the runtime coalesces: the latency each
-pays once, and how many tensors share it), ``fallbacks`` and ``constraints``. Two more are added by
+pays once, and how many tensors share it), ``overlaps`` (communication the runtime runs
+behind compute: what, behind what, and the part hidden; ``totals.hidden_comm_us`` is their
+sum and ``totals.exposed_comm_us`` the comm the step waits for), ``fallbacks`` and
+``constraints``. Two more are added by
 ``autoparallel plan``: ``run`` (model, batch, timings) and ``problem`` (the file name of the
 whole problem saved as ``.npz``, relative to the JSON's folder, for ``autoparallel explain
 --placement``; absent when none was saved). Readers must ignore keys they do not know, so
@@ -367,6 +370,20 @@ def _buckets(plan: Plan) -> list[dict[str, Any]]:
     ]
 
 
+def _overlaps(plan: Plan) -> list[dict[str, Any]]:
+    return [
+        {
+            "phase": o.phase,
+            "comm": o.comm,
+            "during": o.during,
+            "comm_us": _num(o.comm_us),
+            "compute_us": _num(o.compute_us),
+            "hidden_us": _num(o.hidden_us),
+        }
+        for o in plan.overlaps
+    ]
+
+
 def plan_json(plan: Plan) -> dict[str, Any]:
     """The sections a Plan alone gives: ``mesh``, ``totals``, ``solver``, ``nodes`` (without
     module attribution), ``parameters`` (placements only), ``buckets`` and ``fallbacks``.
@@ -388,6 +405,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "compute_us": _num(totals.compute_us),
             "transition_us": _num(totals.transition_us),
             "optimizer_us": _num(totals.optimizer_us),
+            "hidden_comm_us": _num(totals.hidden_comm_us),
+            "exposed_comm_us": _num(totals.exposed_comm_us),
             "priced_on": plan.priced_on,
         },
         "solver": {
@@ -406,6 +425,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         ],
         "nodes": _nodes(plan, {}),
         "buckets": _buckets(plan),
+        "overlaps": _overlaps(plan),
         "fallbacks": list(plan.fallbacks),
     }
 
@@ -470,6 +490,7 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
         "collectives": _collectives(plan, modules),
         "layers": _layers(plan, modules),
         "buckets": data["buckets"],
+        "overlaps": data["overlaps"],
         "fallbacks": data["fallbacks"],
         "constraints": {name: c.description for name, c in problem.user_constraints.items()},
     }

@@ -34,7 +34,15 @@ from autoparallel.types.placements import (
     placement_str,
 )
 from autoparallel.types.plan import Solution, SolverStats
-from autoparallel.types.problem import Bucket, BucketMember, Folding, Problem, Row, UserConstraint
+from autoparallel.types.problem import (
+    Bucket,
+    BucketMember,
+    Folding,
+    OverlapWindow,
+    Problem,
+    Row,
+    UserConstraint,
+)
 from autoparallel.types.strategies import NodeStrategies, Strategy, StrategySpace
 from autoparallel.types.tensors import TensorInfo
 
@@ -93,14 +101,30 @@ def save_problem(
             }
             for b in problem.buckets
         ],
+        "overlap": {
+            "fraction": problem.overlap_fraction,
+            "windows": [
+                {
+                    "phase": w.phase,
+                    "comm": w.comm,
+                    "during": w.during,
+                    "compute_nodes": [node.name for node in w.compute_nodes],
+                    "comm_edges": list(w.comm_edges),
+                    "column": w.column,
+                }
+                for w in problem.overlap_windows
+            ],
+        },
     }
     rows = _pack_rows(problem.rows)
+    bounds = {} if problem.column_upper is None else {"column_upper": problem.column_upper}
     with open(path, "wb") as handle:
         np.savez_compressed(
             handle,
             meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
             objective=problem.objective,
             integrality=problem.integrality,
+            **bounds,
             **{f"rows_{k}": v for k, v in rows.items()},
         )
 
@@ -325,6 +349,21 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
             for record in meta.get("buckets", [])
         ]
     )
+    overlap = meta.get("overlap") or {}
+    problem.overlap_fraction = float(overlap.get("fraction", 0.0))
+    problem.overlap_windows = [
+        OverlapWindow(
+            record["phase"],
+            record["comm"],
+            record["during"],
+            tuple(by_name[name] for name in record["compute_nodes"]),
+            tuple(int(index) for index in record["comm_edges"]),
+            int(record["column"]),
+        )
+        for record in overlap.get("windows", [])
+    ]
+    if "column_upper" in archive:
+        problem.column_upper = np.asarray(archive["column_upper"], dtype=np.float64)
     for record in meta["user_constraints"]:
         rows = [
             Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi)

@@ -171,7 +171,34 @@ def _totals_section(data: Mapping[str, Any]) -> str:
         "totals",
         "Totals",
         f'<div class="cards">{"".join(cards)}</div>{bar}<p class="legend">{legend}</p>'
+        + _overlap_note(data)
         + _prediction_note(totals),
+    )
+
+
+def _overlap_note(data: Mapping[str, Any]) -> str:
+    """How much of the comm runs behind compute, and a table of where."""
+    totals = data.get("totals") or {}
+    hidden = t.num(totals.get("hidden_comm_us")) or 0.0
+    overlaps = data.get("overlaps") or []
+    if hidden <= 0 or not overlaps:
+        return ""
+    rows = "".join(
+        "<tr>"
+        + t.cell(t.esc(o.get("phase", "")))
+        + t.cell(t.esc(o.get("comm", "")))
+        + t.cell(t.esc(o.get("during", "")))
+        + t.cell(t.esc(t.us(o.get("comm_us"))), o.get("comm_us"), "num")
+        + t.cell(t.esc(t.us(o.get("compute_us"))), o.get("compute_us"), "num")
+        + t.cell(t.esc(t.us(o.get("hidden_us"))), o.get("hidden_us"), "num")
+        + "</tr>"
+        for o in overlaps
+    )
+    return (
+        f'<p class="legend">Of the comm, {t.us(hidden)} runs behind compute (the total '
+        f"leaves it out); {t.us(totals.get('exposed_comm_us'))} is exposed.</p>"
+        "<table><thead><tr><th>phase</th><th>comm</th><th>behind</th><th>comm</th>"
+        f"<th>compute</th><th>hidden</th></tr></thead><tbody>{rows}</tbody></table>"
     )
 
 

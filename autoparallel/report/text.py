@@ -190,11 +190,19 @@ def totals_lines(data: Mapping[str, Any]) -> list[str]:
     )
     whole = comm + compute + transition
     share = (lambda v: f"{100 * v / whole:.1f}%") if whole > 0 else (lambda v: "-")
-    return [
+    hidden = float(t.get("hidden_comm_us") or 0.0)
+    hiding = f" - hidden {_fmt_us(hidden)}" if hidden > 0 else ""
+    lines = [
         f"total cost: {_fmt_us(t.get('total_us'))} per step = comm {_fmt_us(comm)} + compute {_fmt_us(compute)} "
-        f"+ transition {_fmt_us(transition)}",
+        f"+ transition {_fmt_us(transition)}{hiding}",
         f"share: comm {share(comm)}, compute {share(compute)}, transition {share(transition)}",
-    ] + _optimizer_line(t)
+    ]
+    if hidden > 0:
+        lines.append(
+            f"overlap: {_fmt_us(hidden)} of the comm runs behind compute; "
+            f"{_fmt_us(comm - hidden)} is exposed"
+        )
+    return lines + _optimizer_line(t)
 
 
 def _optimizer_line(totals: Mapping[str, Any]) -> list[str]:

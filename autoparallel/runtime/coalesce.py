@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autoparallel import _torch_internals as internals
 from autoparallel.runtime.executor import redistribute_along
+from autoparallel.types.bucketing import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, capped_buckets
 
 
 @dataclass(frozen=True)
@@ -75,36 +76,6 @@ def reduce_gradients(
             for index, tensor in zip(bucket, reduced):
                 results[index] = tensor
     return results  # type: ignore[return-value]
-
-
-BUCKET_CAP_BYTES = 25 << 20
-"""The most gradient bytes one collective carries (DDP's default ``bucket_cap_mb``). A
-larger flat buffer buys nothing on the wire and costs on the host: on CPU an allocation
-above glibc's mmap threshold (32 MiB at most) is fresh pages on every step, whose first
-touch runs at a fraction of the memory bandwidth."""
-
-
-FIRST_BUCKET_CAP_BYTES = 1 << 20
-"""The first bucket's cap (DDP's first bucket is 1 MiB too): the gradients that are final
-first go out early, while the rest of the backward runs."""
-
-
-def capped_buckets(
-    members: list[int], sizes: list[int], cap: int, first_cap: int | None = None
-) -> list[list[int]]:
-    """``members`` in order, cut into runs of at most ``cap`` bytes (``first_cap`` for the
-    first run; ``sizes[i]`` is ``members[i]``'s); a single larger member gets a run of its
-    own."""
-    buckets: list[list[int]] = [[]]
-    total = 0
-    for index, nbytes in zip(members, sizes):
-        limit = first_cap if first_cap is not None and len(buckets) == 1 else cap
-        if buckets[-1] and total + nbytes > limit:
-            buckets.append([])
-            total = 0
-        buckets[-1].append(index)
-        total += nbytes
-    return buckets
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

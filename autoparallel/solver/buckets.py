@@ -38,6 +38,7 @@ not say whether the route is a single step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -95,6 +96,54 @@ def add_buckets(problem: Problem) -> None:
             buckets.append(Bucket(key[0], key[1], latencies[key], candidates, tuple(kept)))
     problem.objective = objective
     problem.set_buckets(buckets)
+
+
+def members_in_use(problem: Problem, choice: dict[fx.Node, int]) -> list[int]:
+    """How many members of each bucket (in ``problem.buckets`` order) the strategies of
+    ``choice`` use."""
+    chosen: dict[int, tuple[int, int]] = {}
+    counts = []
+    for bucket in problem.buckets:
+        count = 0
+        for member in bucket.members:
+            if member.edge not in chosen:
+                edge = problem.tables.edges[member.edge]
+                chosen[member.edge] = (
+                    edge.src_of_strategy[choice[edge.producer]],
+                    edge.dst_of_strategy[choice[edge.consumer]],
+                )
+            i, j, _, _ = problem.tables.edges[member.edge].pairs[member.pair]
+            count += (i, j) == chosen[member.edge]
+        counts.append(count)
+    return counts
+
+
+def share_by_use(problem: Problem, in_use: list[int]) -> bool:
+    """Let the members a plan used of each bucket carry its whole latency: a bucket the
+    plan used in part (``in_use[b]`` of its members, see :func:`members_in_use`) charges
+    each member ``latency / in_use[b]`` from now on. Returns whether any price changed.
+
+    The candidates' shares undercharge a bucket that only some candidates join, and the
+    solver can lean on that (a few parameters sharded, their buckets almost free in the
+    objective). Re-solving with the shares of the plan it chose removes that lean; the
+    caller keeps whichever plan's totals are lower."""
+    objective = problem.objective.copy()
+    buckets, changed = [], False
+    for bucket, count in zip(problem.buckets, in_use):
+        share = bucket.latency_us / count if count else None
+        if share is None or not share > bucket.members[0].share_us + 1e-9:
+            buckets.append(bucket)
+            continue
+        members = []
+        for member in bucket.members:
+            objective[problem.edge_columns[member.edge][member.pair]] += share - member.share_us
+            members.append(BucketMember(member.edge, member.pair, member.saving_us, share))
+        buckets.append(dataclasses.replace(bucket, members=tuple(members)))
+        changed = True
+    if changed:
+        problem.objective = objective
+        problem.set_buckets(buckets)
+    return changed
 
 
 def _coalesced_pairs(

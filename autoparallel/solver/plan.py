@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, Placements
-from autoparallel.types.plan import ArgumentCost, BucketCost, CostTotals, NodePlan, Plan, Solution
+from autoparallel.types.plan import (
+    ArgumentCost,
+    BucketCost,
+    CostTotals,
+    NodePlan,
+    OverlapCost,
+    Plan,
+    Solution,
+)
 from autoparallel.types.problem import Problem
 
 
@@ -67,6 +75,7 @@ def build_plan(
     bucket_of = {(m.edge, m.pair): (b, m) for b in problem.buckets for m in b.members}
     bucket_edges = {edge for edge, _ in bucket_of}  # the pair is looked up on these only
     in_use: dict[int, int] = {}  # id(bucket) -> tensors in it
+    edge_comm: dict[int, float] = {}  # edge -> its comm, a bucket's latency left out
     for index, edge in enumerate(tables.edges):
         src_index = edge.src_of_strategy[choice[edge.producer]]
         dst_index = edge.dst_of_strategy[choice[edge.consumer]]
@@ -82,6 +91,7 @@ def build_plan(
             bucket, member = found
             comm, route = comm - member.saving_us, ()
             in_use[id(bucket)] = in_use.get(id(bucket), 0) + 1
+        edge_comm[index] = comm
         nodes[edge.consumer.name].arguments.append(
             ArgumentCost(
                 producer=edge.producer.name,
@@ -115,6 +125,8 @@ def build_plan(
     compute = sum(n.compute_us for n in nodes.values() if n.phase != "placeholder") + optimizer
     comm = sum(n.comm_us for n in nodes.values()) + sum(b.latency_us for b in buckets)
     transition = sum(n.transition_us for n in nodes.values())
+    overlaps = _overlaps(problem, choice, edge_comm)
+    hidden = sum(o.hidden_us for o in overlaps)
     return Plan(
         mesh_shape=space.mesh_shape,
         mesh_dim_names=mesh_dim_names,
@@ -123,9 +135,27 @@ def build_plan(
         buffer_placements={name: placement_of(node) for name, node in joint.buffers.items()},
         input_placements=[placement_of(node) for node in joint.user_inputs],
         output_placements=output_placements,
-        totals=CostTotals(compute + comm + transition, comm, compute, transition, optimizer),
+        totals=CostTotals(
+            compute + comm + transition - hidden, comm, compute, transition, optimizer, hidden
+        ),
         solver=solution.stats,
         fallbacks=list(space.fallbacks),
         buckets=buckets,
+        overlaps=overlaps,
         priced_on=tables.topology.hardware.name,
     )
+
+
+def _overlaps(problem: Problem, choice: dict, edge_comm: dict[int, float]) -> list[OverlapCost]:
+    """Each overlap window's compute, overlappable comm and hidden part for the chosen
+    strategies (the objective's ``h`` at its optimum: fraction * min(C, O))."""
+    compute_us = problem.tables.compute_us
+    found = []
+    for window in problem.overlap_windows:
+        compute = sum(compute_us[node][choice[node]] for node in window.compute_nodes)
+        comm = sum(edge_comm[index] for index in window.comm_edges)
+        if comm <= 0.0:
+            continue
+        hidden = problem.overlap_fraction * min(compute, comm)
+        found.append(OverlapCost(window.phase, window.comm, window.during, comm, compute, hidden))
+    return found

@@ -13,18 +13,22 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autoparallel.trace.view_ops import is_view_node
 from autoparallel.types.costs import EdgeCost
+from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi
 from autoparallel.types.problem import Problem
 
 
-def parameter_views(problem: Problem) -> set[fx.Node]:
-    """Parameter placeholders and the forward view/transpose chains rooted at them (one pass)."""
-    joint = problem.joint
-    found = set(joint.params.values())
+def parameter_views(joint: JointGraph) -> dict[fx.Node, str]:
+    """Nodes that are a parameter as the forward reads it, with the parameter's name: its
+    placeholder, its mixed-precision cast, and the view/transpose chains of those (one
+    pass). A collective on one of them reads parameters only, so the runtime can issue it
+    ahead of the compute (runtime/local_graph.py)."""
+    found = joint.parameter_sources()
     for node in joint.graph.nodes:
         if node in joint.forward_nodes and is_view_node(node) and node.all_input_nodes:
-            if all(producer in found for producer in node.all_input_nodes):
-                found.add(node)
+            names = {found.get(producer) for producer in node.all_input_nodes}
+            if len(names) == 1 and None not in names:
+                found[node] = names.pop()
     return found
 
 
@@ -35,7 +39,7 @@ def _gathers(src: OutputPlacements, dst: OutputPlacements) -> bool:
     return any(isinstance(s, Shard) and isinstance(d, Replicate) for s, d in zip(src, dst))
 
 
-def _is_prefetchable(edge: EdgeCost, problem: Problem, sources: set[fx.Node]) -> bool:
+def _is_prefetchable(edge: EdgeCost, problem: Problem, sources: dict[fx.Node, str]) -> bool:
     return (
         edge.kind == "arg"
         and edge.consumer in problem.joint.forward_nodes
@@ -47,7 +51,7 @@ def prefetchable_columns(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     """(objective columns, comm us) of every forward parameter all-gather pair or step (see
     :meth:`ShardingOptimizer.apply_prefetch_discount`). A pair in a bucket counts with its
     bucketed price (its latency is the bucket's, which is not discounted)."""
-    sources = parameter_views(problem)
+    sources = parameter_views(problem.joint)
     columns: list[int] = []
     comm_us: list[float] = []
     for index, edge in enumerate(problem.tables.edges):

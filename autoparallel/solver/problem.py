@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from autoparallel.solver.buckets import add_buckets
 from autoparallel.solver.folding import no_folding
+from autoparallel.solver.overlap import add_overlap
 from autoparallel.types.costs import CostTables, EdgeCost
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.problem import Folding, Problem, Row
@@ -50,13 +51,16 @@ def build_problem(
     folding: Folding | None = None,
     use_routes: bool = True,
     price_buckets: bool = True,
+    price_overlap: bool = True,
 ) -> Problem:
     """The MIP of the stage docstring; with ``folding``, each class of repeated nodes has
     one set of x columns, edges whose endpoints fold alike share their y (f) columns, and a
     shared column's cost is the sum over the members it stands for. ``use_routes=False``
     prices every edge on pairs (same optimum, larger problem). ``price_buckets`` prices the
     collectives the runtime coalesces as their buckets (solver/buckets.py); False prices
-    each on its own, latency included.
+    each on its own, latency included. ``price_overlap`` charges the communication the
+    runtime overlaps with compute only for the part left exposed, at the hardware's
+    ``overlap_fraction`` (solver/overlap.py); False charges all of it.
 
     Built with numpy per distinct price list (lists are shared between repeated layers), so
     the work grows with the number of edges, not with their pairs: an 80-layer model on a
@@ -155,13 +159,17 @@ def build_problem(
     )
     if price_buckets:
         add_buckets(problem)
+    if price_overlap:  # after the buckets: a window's comm is priced as the objective has it
+        add_overlap(problem, tables.topology.hardware.overlap_fraction)
     logger.info(
-        "problem: %d variables, %d constraints (%d nodes in %d classes, %d collective buckets)",
+        "problem: %d variables, %d constraints (%d nodes in %d classes, %d collective buckets, "
+        "%d overlap windows)",
         problem.num_variables,
         problem.num_constraints,
         len(space.nodes),
         folding.num_classes,
         len(problem.buckets),
+        len(problem.overlap_windows),
     )
     return problem
 

@@ -83,16 +83,23 @@ class NodePlan:
 
 @dataclass(frozen=True)
 class CostTotals:
-    """One step's predicted time (us): total = compute + comm + transition.
+    """One step's predicted time (us): total = compute + comm + transition - hidden.
 
-    ``optimizer_us`` is the optimizer step's part of ``compute_us`` (0 where the hardware
-    does not price it: the presets)."""
+    ``comm_us`` is all the step's communication; ``hidden_comm_us`` the part of it that runs
+    behind compute (see :class:`OverlapCost`), so ``exposed_comm_us`` is what the step waits
+    for. ``optimizer_us`` is the optimizer step's part of ``compute_us`` (0 where the
+    hardware does not price it: the presets)."""
 
     total_us: float
     comm_us: float
     compute_us: float
     transition_us: float
     optimizer_us: float = 0.0
+    hidden_comm_us: float = 0.0
+
+    @property
+    def exposed_comm_us(self) -> float:
+        return self.comm_us - self.hidden_comm_us
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,20 @@ class BucketCost:
     latency_us: float  # paid once per step (per phase, for a layer's gathers)
     tensors: int  # how many of the plan's moves it carries
     candidates: int  # how many could have joined (the objective shared the latency by these)
+
+
+@dataclass(frozen=True)
+class OverlapCost:
+    """Communication the runtime runs while some compute runs (solver/overlap.py): ``comm``
+    hides behind ``during``, by ``hidden_us`` = the hardware's overlap fraction times the
+    smaller of the two."""
+
+    phase: str  # "forward" or "backward"
+    comm: str  # e.g. "gradient reductions of layers.3"
+    during: str  # e.g. "backward of layers.2"
+    comm_us: float
+    compute_us: float
+    hidden_us: float
 
 
 @dataclass
@@ -121,6 +142,8 @@ class Plan:
     fallbacks: list[str]
     # coalesced collectives: their latency is in totals.comm_us, not in any argument's
     buckets: list[BucketCost] = field(default_factory=list)
+    # communication hidden behind compute: totals.hidden_comm_us is their sum
+    overlaps: list[OverlapCost] = field(default_factory=list)
     # the Hardware's name the prices come from (a preset, or the profile's name)
     priced_on: str = ""
 

@@ -79,7 +79,7 @@ class BucketMember:
     edge: int  # index into tables.edges
     pair: int  # index into that edge's pairs
     saving_us: float  # the pair's price minus the step's price without the latency
-    share_us: float  # the bucket's latency divided by its candidates, added back
+    share_us: float  # its part of the bucket's latency, added back (see solver/buckets.py)
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class Bucket:
     dtype), or one layer's parameter all-gathers of one (phase, mesh dim, dtype).
 
     ``candidates`` is how many edges could join it; each member pair carries
-    ``latency_us / candidates`` of the latency in the objective (see solver/buckets.py).
+    ``latency_us / candidates`` of the latency in the objective, or ``latency_us / used``
+    once a plan used only ``used`` of them (see solver/buckets.py).
     """
 
     kind: str  # "gradient_reduction" or "parameter_gather"
@@ -96,6 +97,24 @@ class Bucket:
     latency_us: float
     candidates: int
     members: tuple[BucketMember, ...]
+
+
+@dataclass(frozen=True)
+class OverlapWindow:
+    """Communication the runtime runs on the collective threads while some compute runs on
+    the host: the comm of ``comm_edges`` (every move on them) hides behind the compute of
+    ``compute_nodes``, up to ``fraction`` of the smaller of the two (see solver/overlap.py).
+
+    ``column`` is the window's hidden-time variable; windows whose two rows come out equal
+    (the interior layers of a folded model) share one column.
+    """
+
+    phase: str  # "forward" or "backward"
+    comm: str  # what hides, e.g. "parameter gathers of layers.3."
+    during: str  # behind what, e.g. "forward of layers.2."
+    compute_nodes: tuple[fx.Node, ...]
+    comm_edges: tuple[int, ...]  # indices into tables.edges
+    column: int
 
 
 @dataclass
@@ -115,14 +134,21 @@ class Problem:
     edge_encodings: list[str] = field(default_factory=list)
     # collectives the runtime coalesces, priced one latency per bucket (solver/buckets.py)
     buckets: list[Bucket] = field(default_factory=list)
+    # communication priced as hidden behind compute (solver/overlap.py); fraction 0: none
+    overlap_windows: list[OverlapWindow] = field(default_factory=list)
+    overlap_fraction: float = 0.0
+    # per column upper bound; None: every column is in [0, 1] (the x, y and f columns)
+    column_upper: np.ndarray | None = None
     # (edge, pair) -> objective saving of each bucket member, indexed by set_buckets
     _savings: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+    _shares: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def set_buckets(self, buckets: list[Bucket]) -> None:
         self.buckets = buckets
         self._savings = {
             (m.edge, m.pair): m.saving_us - m.share_us for b in buckets for m in b.members
         }
+        self._shares = {(m.edge, m.pair): m.share_us for b in buckets for m in b.members}
 
     def pair_saving(self, edge: int, pair: int) -> float:
         """How far below its route's price pair ``pair`` of edge ``edge`` is in the objective,
@@ -156,6 +182,26 @@ class Problem:
             )
             for column, a, b, comm in zip(columns, table.arc_src, table.arc_dst, table.arc_comm)
         ]
+
+    def bucket_share(self, edge: int, pair: int) -> float:
+        """The share of its bucket's latency that pair ``pair`` of edge ``edge`` carries in
+        the objective (0 for a pair in no bucket)."""
+        return self._shares.get((edge, pair), 0.0)
+
+    def add_columns(self, costs: np.ndarray, upper: float) -> np.ndarray:
+        """Append continuous columns with objective ``costs`` and bounds [0, ``upper``];
+        returns their indices."""
+        start = self.num_variables
+        bounds = self.upper_bounds()
+        self.objective = np.concatenate([self.objective, costs])
+        self.integrality = np.concatenate([self.integrality, np.zeros(len(costs), dtype=bool)])
+        self.column_upper = np.concatenate([bounds, np.full(len(costs), upper)])
+        return np.arange(start, self.num_variables, dtype=np.int64)
+
+    def upper_bounds(self) -> np.ndarray:
+        if self.column_upper is None:
+            return np.ones(self.num_variables)
+        return self.column_upper
 
     @property
     def num_variables(self) -> int:

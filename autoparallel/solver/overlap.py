@@ -1,0 +1,270 @@
+"""Communication that the runtime overlaps with compute, priced as the part left exposed.
+
+The runtime starts each collective as soon as its inputs are ready and waits for it only
+where its result is read (``runtime/local_graph.py``); gloo and NCCL run it on their own
+threads or streams while the host goes on computing. Two kinds of collective have compute to
+hide behind:
+
+* **forward parameter gathers** (FSDP's prefetch): a layer's gathers are issued one gather
+  ahead, where the previous layer's were, so they run while the previous layer computes.
+  The parameters outside numbered layers (embedding, final norm, head) are gathered together
+  at their first reader, with nothing before them: exposed.
+* **gradient reductions** (DDP's overlap): gradients fill buckets in the order they become
+  final (the first 1 MiB, then 25 MiB each, as DDP's); a bucket's reduction starts when
+  its last gradient is final and runs while the backward computes the next bucket's
+  gradients. The last bucket (with the embedding's gradient, usually) has nothing after
+  it: exposed. A small model's gradients past the first MiB are one bucket: little hides.
+
+Each such pairing is a *window*: its overlappable comm O (every move of the windowed edges,
+linear in the edge columns) and the compute C it hides behind (linear in the node columns).
+The window's hidden time is a column ``h`` with ``h <= C`` and ``h <= O``, and the objective
+gets ``-fraction * h``: a step costs C + O - fraction * min(C, O), which is max(C, O) for
+``fraction = 1`` (a GPU's separate streams) and less hiding where the collective threads
+compete with compute for the host (CPU gloo; ``autoparallel calibrate`` measures the
+fraction as ``Hardware.overlap_fraction``). Every other collective (tensor-parallel
+activations, redistributions between ops, the backward's parameter re-gathers, which our
+runtime does not prefetch) stays fully charged, on the critical path.
+
+Windows of one phase are disjoint in compute, and each pairs one comm group with the compute
+right after it, so a backlog never carries over from one window to the next: conservative
+for a DDP-like plan (its reductions could also hide behind later layers), close for an
+FSDP-like one (each gather must be done before its layer runs). Windows whose two rows come
+out equal (the interior layers of a folded model) share one column, so folding still
+shrinks the problem. Since ``h = 0`` is always feasible, the objective with overlap never
+exceeds the one without.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch.fx as fx
+
+from autoparallel.solver.prefetch import parameter_views
+from autoparallel.types.bucketing import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, capped_buckets
+from autoparallel.types.graph import layer_of
+from autoparallel.types.problem import OverlapWindow, Problem, Row
+
+
+def add_overlap(problem: Problem, fraction: float) -> None:
+    """Add every window's hidden-time column and its two rows to ``problem`` (in place:
+    columns, rows, objective and ``problem.overlap_windows`` change). ``fraction`` 0 adds
+    nothing."""
+    problem.overlap_fraction = fraction
+    if fraction <= 0.0:
+        return
+    distinct: dict[bytes, int] = {}  # the two rows' key -> index of their shared column
+    rows: list[tuple[Row, Row]] = []
+    counts: list[int] = []
+    placed: list[tuple[_Window, int]] = []
+    for window in _forward_windows(problem) + _backward_windows(problem):
+        compute = _compute_row(problem, window.compute_nodes)
+        comm = _comm_row(problem, window.comm_edges)
+        if not compute.values.any() or not comm.values.any():
+            continue  # nothing to hide, or nothing to hide behind
+        key = b"|".join(a.tobytes() for r in (compute, comm) for a in (r.columns, r.values))
+        if key not in distinct:
+            distinct[key] = len(rows)
+            rows.append((compute, comm))
+            counts.append(0)
+        counts[distinct[key]] += 1
+        placed.append((window, distinct[key]))
+    if not rows:
+        return
+    columns = problem.add_columns(-fraction * np.asarray(counts, dtype=np.float64), np.inf)
+    for column, pair in zip(columns, rows):
+        for row in pair:  # h - (C or O) <= 0
+            problem.rows.append(
+                Row(
+                    np.concatenate([[column], row.columns]),
+                    np.concatenate([[1.0], -row.values]),
+                    -np.inf,
+                    0.0,
+                )
+            )
+    problem.overlap_windows = [
+        OverlapWindow(
+            window.phase,
+            window.comm,
+            window.during,
+            window.compute_nodes,
+            window.comm_edges,
+            int(columns[index]),
+        )
+        for window, index in placed
+    ]
+
+
+@dataclass(frozen=True)
+class _Window:
+    phase: str
+    comm: str
+    during: str
+    compute_nodes: tuple[fx.Node, ...]
+    comm_edges: tuple[int, ...]
+
+
+def _group(name: str) -> str:
+    """What the runtime issues together: a numbered layer, or a parameter of its own."""
+    return layer_of(name) or name
+
+
+def _forward_windows(problem: Problem) -> list[_Window]:
+    """Each layer's forward parameter gathers, behind the compute from the previous
+    layer's first parameter read to this layer's (the runtime's one-gather-ahead prefetch).
+
+    Gathers go by ``layer_of`` (the runtime's groups, all non-layer parameters in one);
+    the first group's gathers have no compute before them."""
+    joint, tables = problem.joint, problem.tables
+    readers = parameter_views(joint)
+    # (gather group, its nodes) in order; None: the nodes before the first parameter read
+    regions: list[tuple[str | None, list[fx.Node]]] = [(None, [])]
+    seen: set[str] = set()
+    for node in _calls(problem, forward=True):
+        # the first op that computes with a group's parameter starts its region (casts and
+        # views of a parameter are readers too, but the runtime gathers where ops compute)
+        groups = (
+            []
+            if node in readers
+            else [layer_of(readers[arg]) for arg in node.all_input_nodes if arg in readers]
+        )
+        new = [group for group in groups if group not in seen]
+        if new:
+            seen.update(new)
+            regions.append((new[0], []))
+        regions[-1][1].append(node)
+    edges_of: dict[str, list[int]] = defaultdict(list)
+    for index, edge in enumerate(tables.edges):
+        if edge.kind == "arg" and edge.consumer in joint.forward_nodes and edge.producer in readers:
+            edges_of[layer_of(readers[edge.producer])].append(index)
+    windows = []
+    for (previous, compute), (group, _) in zip(regions, regions[1:]):
+        if previous is not None and edges_of.get(group):
+            windows.append(
+                _Window(
+                    "forward",
+                    f"parameter gathers of {_label(group)}",
+                    f"forward of {_label(previous)}",
+                    tuple(compute),
+                    tuple(edges_of[group]),
+                )
+            )
+    return windows
+
+
+def _backward_windows(problem: Problem) -> list[_Window]:
+    """Each gradient bucket's reductions, behind the backward compute from its last
+    gradient to the next bucket's last (or the end of the backward).
+
+    The buckets are the runtime's (types/bucketing.py): gradients in the order they become
+    final, cut at the runtime's caps by their full size (the partial sums a reduction
+    starts from are full-size on a 1-D mesh), as if all were reduced the same way."""
+    joint, tables = problem.joint, problem.tables
+    calls = _calls(problem, forward=False)
+    position = {node: k for k, node in enumerate(calls)}
+    ready = sorted(
+        (position[grad], name) for name, grad in joint.param_grads.items() if grad in position
+    )
+    names = [name for _, name in ready]
+    sizes = [_nbytes(joint.param_grads[name]) for name in names]
+    buckets = capped_buckets(
+        list(range(len(names))), sizes, BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES
+    )
+    edges_of: dict[fx.Node, list[int]] = defaultdict(list)
+    for index, edge in enumerate(tables.edges):
+        if edge.kind == "param_grad":
+            edges_of[edge.producer].append(index)
+    ends = [ready[bucket[-1]][0] for bucket in buckets]
+    windows = []
+    for k, bucket in enumerate(buckets):
+        stop = ends[k + 1] + 1 if k + 1 < len(buckets) else len(calls)
+        compute = calls[ends[k] + 1 : stop]
+        comm = [i for m in bucket for i in edges_of[joint.param_grads[names[m]]]]
+        if not compute or not comm:
+            continue
+        during = (
+            f"backward up to {names[buckets[k + 1][-1]]}'s gradient"
+            if k + 1 < len(buckets)
+            else "the rest of the backward"
+        )
+        windows.append(
+            _Window(
+                "backward",
+                f"gradient reductions of {_span(names, bucket)}",
+                during,
+                tuple(compute),
+                tuple(comm),
+            )
+        )
+    return windows
+
+
+def _span(names: list[str], bucket: list[int]) -> str:
+    first, last = names[bucket[0]], names[bucket[-1]]
+    if first == last:
+        return first
+    return f"{first} .. {last} ({len(bucket)} tensors)"
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    if value is None or not hasattr(value, "shape"):
+        return 0
+    return math.prod(value.shape) * value.element_size()
+
+
+def _label(group: str | None) -> str:
+    return group.removesuffix(".") if group else "the non-layer parameters"
+
+
+def _calls(problem: Problem, forward: bool) -> list[fx.Node]:
+    """The phase's call nodes that have strategies, in graph order."""
+    joint = problem.joint
+    return [
+        node
+        for node in problem.space.nodes
+        if node.op == "call_function" and (node in joint.forward_nodes) == forward
+    ]
+
+
+def _compute_row(problem: Problem, nodes: tuple[fx.Node, ...]) -> Row:
+    """sum over ``nodes`` of compute_us[node][s] * x[node, s], repeated columns summed."""
+    compute_us = problem.tables.compute_us
+    columns = [problem.node_columns[node] for node in nodes]
+    values = [np.asarray(compute_us[node], dtype=np.float64) for node in nodes]
+    return _merged(columns, values)
+
+
+def _comm_row(problem: Problem, edges: tuple[int, ...]) -> Row:
+    """sum over ``edges`` of every move's comm times its column: a bucket member at its
+    bucketed price without the bucket's latency, which stays exposed (the shares of it
+    change with the plan, solver/buckets.py, and the rows must not)."""
+    columns, values = [], []
+    for index in edges:
+        moves = problem.edge_moves(index)
+        comm = np.asarray([m.comm_us for m in moves], dtype=np.float64)
+        if problem.edge_encoding(index) == "pairs":
+            comm -= [problem.bucket_share(index, k) for k in range(len(moves))]
+        columns.append(np.asarray([m.column for m in moves], dtype=np.int64))
+        values.append(comm)
+    return _merged(columns, values)
+
+
+def _merged(columns: list[np.ndarray], values: list[np.ndarray]) -> Row:
+    if not columns:
+        return Row(np.zeros(0, dtype=np.int64), np.zeros(0), 0.0, 0.0)
+    row = Row(np.concatenate(columns), np.concatenate(values), 0.0, 0.0).merged()
+    keep = row.values != 0.0
+    return Row(row.columns[keep], row.values[keep], 0.0, 0.0)
+
+
+def window_times(
+    window: OverlapWindow, compute_us: dict[fx.Node, float], comm_us: dict[int, float]
+) -> tuple[float, float]:
+    """(C, O) of ``window`` for a chosen plan: its nodes' compute and its edges' comm."""
+    compute = sum(compute_us[node] for node in window.compute_nodes)
+    comm = sum(comm_us[index] for index in window.comm_edges)
+    return compute, comm
