@@ -30,6 +30,7 @@ from autoparallel.report.text import PlanDiff, diff_plan_json
 from autoparallel.solver.buckets import members_in_use, share_by_use
 from autoparallel.solver.constraints import parameter_memory_constraint, placement_constraint
 from autoparallel.solver.highs import SolverOptions, solve
+from autoparallel.solver.overlap import fit_shares
 from autoparallel.solver.plan import build_plan
 from autoparallel.solver.prefetch import prefetchable_columns
 from autoparallel.types.placements import Placements, validate_placements
@@ -38,8 +39,8 @@ from autoparallel.types.problem import Problem
 
 logger = logging.getLogger(__name__)
 
-RESHARES = 3
-"""Re-solves at most after a plan used a collective bucket in part (see resolve)."""
+REFITS = 3
+"""Re-solves at most after the prices that follow the plan were refitted (see resolve)."""
 
 
 class ShardingOptimizer:
@@ -54,7 +55,6 @@ class ShardingOptimizer:
         self.options = options or SolverOptions()
         self._plan: Plan | None = None
         self._solution: Solution | None = None
-        self._original_objective: np.ndarray | None = None
         self.prefetch_scale = 1.0
 
     # ------------------------------------------------------------------ constraints
@@ -99,25 +99,28 @@ class ShardingOptimizer:
     def resolve(self, verbose: bool = False) -> Plan:
         """Solve the problem with the constraints in force and return the plan.
 
-        Where the plan uses a collective bucket only in part, its latency was undercharged
-        (solver/buckets.py): the bucket shares are set to the plan's use and the problem is
-        solved again, up to ``RESHARES`` times, keeping the plan with the lowest totals."""
+        Two prices follow the plan they are part of: a collective bucket's latency is
+        shared by the members a plan uses (solver/buckets.py), and each overlap window's
+        comm is discounted by what the plan hides of it (solver/overlap.py). After a solve
+        both are refitted to its plan; while that changes a price the problem is solved
+        again, up to ``REFITS`` times, and the plan with the lowest totals is kept (with
+        the prices it was solved at, so a saved problem re-solves to it)."""
         solution = solve(self.problem, self.options)
         plan = build_plan(self.problem, solution, self.mesh_dim_names)
-        for _ in range(RESHARES):
-            kept = (self.problem.objective, self.problem.buckets)
-            if not share_by_use(self.problem, members_in_use(self.problem, solution.choice)):
+        for _ in range(REFITS):
+            kept = (self.problem.objective, self.problem.buckets, self.problem.overlap_shares)
+            shared = share_by_use(self.problem, members_in_use(self.problem, solution.choice))
+            if not fit_shares(self.problem, solution.choice) and not shared:
                 break
             retry = solve(self.problem, self.options)
             retry_plan = build_plan(self.problem, retry, self.mesh_dim_names)
             logger.info(
-                "buckets shared by use: re-solved, %.1f us -> %.1f us",
+                "prices refitted to the plan: re-solved, %.1f us -> %.1f us",
                 plan.totals.total_us,
                 retry_plan.totals.total_us,
             )
             if not retry_plan.totals.total_us < plan.totals.total_us - 1e-9:
-                # keep the problem the kept plan was solved from (save/load re-solve it)
-                self.problem.objective = kept[0]
+                self.problem.objective, self.problem.overlap_shares = kept[0], kept[2]
                 self.problem.set_buckets(kept[1])
                 break
             solution, plan = retry, retry_plan
@@ -167,22 +170,22 @@ class ShardingOptimizer:
         node whose producer is a parameter placeholder or a view/transpose chain of one,
         for the placement pairs that go Shard -> Replicate on some mesh dim (FSDP's
         prefetched gather). Only the communication part is scaled (the transition
-        tie-breaker stays). The discount is always relative to the *original* prices, so
-        calling with 0.5 twice is 0.5, and 1.0 restores them. ``0 <= scale <= 1``, else
-        ValueError. The plan's ``totals`` keep undiscounted prices; its
-        ``solver.objective`` is the discounted objective.
+        tie-breaker stays). The discount replaces the one in force, so calling with 0.5
+        twice is 0.5, and 1.0 takes it off. ``0 <= scale <= 1``, else ValueError. The
+        plan's ``totals`` keep undiscounted prices; its ``solver.objective`` is the
+        discounted objective.
+
+        The planner already charges only the exposed part of these gathers (each layer's
+        behind the previous layer's forward, solver/overlap.py); this discount comes on top
+        of that, for a runtime that hides more of them than that model says.
         """
         scale = float(scale)
         if not 0.0 <= scale <= 1.0:
             raise ValueError(f"prefetch discount scale must be within [0, 1], got {scale}")
-        if self._original_objective is None or len(self._original_objective) != len(
-            self.problem.objective
-        ):
-            self._original_objective = self.problem.objective.copy()
-        objective = self._original_objective.copy()
+        objective = self.problem.objective.copy()
         columns, comm_us = prefetchable_columns(self.problem)
         # folded edges share columns: accumulate every member's discount (not last-write-wins)
-        np.subtract.at(objective, columns, (1.0 - scale) * comm_us)
+        np.subtract.at(objective, columns, (self.prefetch_scale - scale) * comm_us)
         self.problem.objective = objective
         self.prefetch_scale = scale
         return len(columns)

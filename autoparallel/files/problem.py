@@ -110,21 +110,25 @@ def save_problem(
                     "during": w.during,
                     "compute_nodes": [node.name for node in w.compute_nodes],
                     "comm_edges": list(w.comm_edges),
-                    "column": w.column,
                 }
                 for w in problem.overlap_windows
             ],
+            "shares": list(problem.overlap_shares),
         },
     }
     rows = _pack_rows(problem.rows)
-    bounds = {} if problem.column_upper is None else {"column_upper": problem.column_upper}
+    rows.update(
+        {
+            f"overlap_{k}": v
+            for k, v in _pack_rows([w.comm_row for w in problem.overlap_windows]).items()
+        }
+    )
     with open(path, "wb") as handle:
         np.savez_compressed(
             handle,
             meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
             objective=problem.objective,
             integrality=problem.integrality,
-            **bounds,
             **{f"rows_{k}": v for k, v in rows.items()},
         )
 
@@ -351,6 +355,7 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
     )
     overlap = meta.get("overlap") or {}
     problem.overlap_fraction = float(overlap.get("fraction", 0.0))
+    comm_rows = _unpack_rows(archive, "rows_overlap_") if overlap.get("windows") else []
     problem.overlap_windows = [
         OverlapWindow(
             record["phase"],
@@ -358,12 +363,11 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
             record["during"],
             tuple(by_name[name] for name in record["compute_nodes"]),
             tuple(int(index) for index in record["comm_edges"]),
-            int(record["column"]),
+            comm_row,
         )
-        for record in overlap.get("windows", [])
+        for record, comm_row in zip(overlap.get("windows", []), comm_rows)
     ]
-    if "column_upper" in archive:
-        problem.column_upper = np.asarray(archive["column_upper"], dtype=np.float64)
+    problem.overlap_shares = [float(share) for share in overlap.get("shares", [])]
     for record in meta["user_constraints"]:
         rows = [
             Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi)
@@ -498,13 +502,13 @@ class _GraphHolder:
         self.graph = graph
 
 
-def _unpack_rows(archive: Any) -> list[Row]:
+def _unpack_rows(archive: Any, prefix: str = "rows_") -> list[Row]:
     starts, columns, values = (
-        archive["rows_starts"],
-        archive["rows_columns"],
-        archive["rows_values"],
+        archive[f"{prefix}starts"],
+        archive[f"{prefix}columns"],
+        archive[f"{prefix}values"],
     )
-    lower, upper = archive["rows_lower"], archive["rows_upper"]
+    lower, upper = archive[f"{prefix}lower"], archive[f"{prefix}upper"]
     return [
         Row(
             columns[starts[i] : starts[i + 1]].astype(np.int64),

@@ -81,7 +81,7 @@ def _to_highs(problem: Problem, rows: list[Row]) -> highspy.HighsLp:
     lp.num_row_ = len(rows)
     lp.col_cost_ = problem.objective.astype(np.float64)
     lp.col_lower_ = np.zeros(num_cols)
-    lp.col_upper_ = problem.upper_bounds().astype(np.float64)
+    lp.col_upper_ = np.ones(num_cols)
     lp.row_lower_ = np.array([r.lower for r in rows], dtype=np.float64)
     lp.row_upper_ = np.array([r.upper for r in rows], dtype=np.float64)
     starts = np.zeros(len(rows) + 1, dtype=np.int32)

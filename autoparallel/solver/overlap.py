@@ -17,21 +17,27 @@ hide behind:
 
 Each such pairing is a *window*: its overlappable comm O (every move of the windowed edges,
 linear in the edge columns) and the compute C it hides behind (linear in the node columns).
-The window's hidden time is a column ``h`` with ``h <= C`` and ``h <= O``, and the objective
-gets ``-fraction * h``: a step costs C + O - fraction * min(C, O), which is max(C, O) for
-``fraction = 1`` (a GPU's separate streams) and less hiding where the collective threads
-compete with compute for the host (CPU gloo; ``autoparallel calibrate`` measures the
-fraction as ``Hardware.overlap_fraction``). Every other collective (tensor-parallel
-activations, redistributions between ops, the backward's parameter re-gathers, which our
-runtime does not prefetch) stays fully charged, on the critical path.
+A step hides ``fraction * min(C, O)`` of it: max(C, O) for ``fraction = 1`` (a GPU's
+separate streams), less where the collective threads compete with compute for the host
+(CPU gloo; ``autoparallel calibrate`` measures ``Hardware.overlap_fraction``). Every other
+collective (tensor-parallel activations, redistributions between ops, the backward's
+parameter re-gathers, which our runtime does not prefetch) stays fully charged, on the
+critical path.
+
+The objective prices the min linearly: each window's comm columns are discounted by
+``share * O``, with ``share = fraction * min(1, C / O)`` at the last plan (``fraction`` before
+the first). That is exact for the plan it was fitted to, and keeps the problem's structure:
+no column, no row, so the LP relaxation stays integral and folding applies. (The exact
+form, a column ``h <= C, h <= O`` per window, made a 3-D LLaMA's relaxation fractional:
+branch and bound past its time limit where the LP took 48 s.) ``ShardingOptimizer.resolve``
+refits the shares to the plan it found and solves again while they change, keeping the
+plan whose totals, which always charge the exact min, are lowest.
 
 Windows of one phase are disjoint in compute, and each pairs one comm group with the compute
 right after it, so a backlog never carries over from one window to the next: conservative
 for a DDP-like plan (its reductions could also hide behind later layers), close for an
-FSDP-like one (each gather must be done before its layer runs). Windows whose two rows come
-out equal (the interior layers of a folded model) share one column, so folding still
-shrinks the problem. Since ``h = 0`` is always feasible, the objective with overlap never
-exceeds the one without.
+FSDP-like one (each gather must be done before its layer runs). Since every share is at
+least 0, the objective with overlap never exceeds the one without.
 """
 
 from __future__ import annotations
@@ -50,52 +56,67 @@ from autoparallel.types.problem import OverlapWindow, Problem, Row
 
 
 def add_overlap(problem: Problem, fraction: float) -> None:
-    """Add every window's hidden-time column and its two rows to ``problem`` (in place:
-    columns, rows, objective and ``problem.overlap_windows`` change). ``fraction`` 0 adds
-    nothing."""
+    """Find the windows of ``problem`` and discount their comm at ``fraction`` (in place:
+    ``problem.objective``, ``overlap_windows`` and ``overlap_shares`` change). ``fraction``
+    0 finds none."""
     problem.overlap_fraction = fraction
     if fraction <= 0.0:
         return
-    distinct: dict[bytes, int] = {}  # the two rows' key -> index of their shared column
-    rows: list[tuple[Row, Row]] = []
-    counts: list[int] = []
-    placed: list[tuple[_Window, int]] = []
+    windows = []
     for window in _forward_windows(problem) + _backward_windows(problem):
-        compute = _compute_row(problem, window.compute_nodes)
         comm = _comm_row(problem, window.comm_edges)
-        if not compute.values.any() or not comm.values.any():
+        if not comm.values.any() or not _compute_row(problem, window.compute_nodes).values.any():
             continue  # nothing to hide, or nothing to hide behind
-        key = b"|".join(a.tobytes() for r in (compute, comm) for a in (r.columns, r.values))
-        if key not in distinct:
-            distinct[key] = len(rows)
-            rows.append((compute, comm))
-            counts.append(0)
-        counts[distinct[key]] += 1
-        placed.append((window, distinct[key]))
-    if not rows:
-        return
-    columns = problem.add_columns(-fraction * np.asarray(counts, dtype=np.float64), np.inf)
-    for column, pair in zip(columns, rows):
-        for row in pair:  # h - (C or O) <= 0
-            problem.rows.append(
-                Row(
-                    np.concatenate([[column], row.columns]),
-                    np.concatenate([[1.0], -row.values]),
-                    -np.inf,
-                    0.0,
-                )
+        windows.append(
+            OverlapWindow(
+                window.phase,
+                window.comm,
+                window.during,
+                window.compute_nodes,
+                window.comm_edges,
+                comm,
             )
-    problem.overlap_windows = [
-        OverlapWindow(
-            window.phase,
-            window.comm,
-            window.during,
-            window.compute_nodes,
-            window.comm_edges,
-            int(columns[index]),
         )
-        for window, index in placed
-    ]
+    problem.overlap_windows = windows
+    problem.overlap_shares = [0.0] * len(windows)
+    set_shares(problem, [fraction] * len(windows))
+
+
+def set_shares(problem: Problem, shares: list[float]) -> None:
+    """Discount each window's comm columns by ``shares[w]`` of their comm, replacing the
+    shares in force (in place)."""
+    objective = problem.objective.copy()
+    for window, old, new in zip(problem.overlap_windows, problem.overlap_shares, shares):
+        if new != old:  # folded windows share columns: every member's part adds up
+            np.subtract.at(objective, window.comm_row.columns, (new - old) * window.comm_row.values)
+    problem.objective = objective
+    problem.overlap_shares = list(shares)
+
+
+def fit_shares(problem: Problem, choice: dict[fx.Node, int]) -> bool:
+    """Set each window's share to what the plan ``choice`` hides of its comm,
+    ``fraction * min(1, C / O)``; returns whether any share changed (by more than 1e-6)."""
+    shares = []
+    for window, old in zip(problem.overlap_windows, problem.overlap_shares):
+        compute, comm = window_times(problem, window, choice)
+        shares.append(old if comm <= 0.0 else problem.overlap_fraction * min(1.0, compute / comm))
+    changed = any(abs(a - b) > 1e-6 for a, b in zip(shares, problem.overlap_shares))
+    if changed:
+        set_shares(problem, shares)
+    return changed
+
+
+def window_times(
+    problem: Problem, window: OverlapWindow, choice: dict[fx.Node, int]
+) -> tuple[float, float]:
+    """(C, O) of ``window`` for the strategies of ``choice``: its nodes' compute and the
+    comm of its edges' chosen moves (a bucket's latency left out)."""
+    compute_us = problem.tables.compute_us
+    compute = sum(compute_us[node][choice[node]] for node in window.compute_nodes)
+    comm = 0.0
+    for index in window.comm_edges:
+        comm += problem.chosen_comm_us(index, choice)
+    return compute, comm
 
 
 @dataclass(frozen=True)
@@ -259,12 +280,3 @@ def _merged(columns: list[np.ndarray], values: list[np.ndarray]) -> Row:
     row = Row(np.concatenate(columns), np.concatenate(values), 0.0, 0.0).merged()
     keep = row.values != 0.0
     return Row(row.columns[keep], row.values[keep], 0.0, 0.0)
-
-
-def window_times(
-    window: OverlapWindow, compute_us: dict[fx.Node, float], comm_us: dict[int, float]
-) -> tuple[float, float]:
-    """(C, O) of ``window`` for a chosen plan: its nodes' compute and its edges' comm."""
-    compute = sum(compute_us[node] for node in window.compute_nodes)
-    comm = sum(comm_us[index] for index in window.comm_edges)
-    return compute, comm

@@ -7,6 +7,7 @@ compared.
 
 from __future__ import annotations
 
+from autoparallel.solver.overlap import window_times
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, Placements
 from autoparallel.types.plan import (
@@ -75,7 +76,6 @@ def build_plan(
     bucket_of = {(m.edge, m.pair): (b, m) for b in problem.buckets for m in b.members}
     bucket_edges = {edge for edge, _ in bucket_of}  # the pair is looked up on these only
     in_use: dict[int, int] = {}  # id(bucket) -> tensors in it
-    edge_comm: dict[int, float] = {}  # edge -> its comm, a bucket's latency left out
     for index, edge in enumerate(tables.edges):
         src_index = edge.src_of_strategy[choice[edge.producer]]
         dst_index = edge.dst_of_strategy[choice[edge.consumer]]
@@ -91,7 +91,6 @@ def build_plan(
             bucket, member = found
             comm, route = comm - member.saving_us, ()
             in_use[id(bucket)] = in_use.get(id(bucket), 0) + 1
-        edge_comm[index] = comm
         nodes[edge.consumer.name].arguments.append(
             ArgumentCost(
                 producer=edge.producer.name,
@@ -125,7 +124,7 @@ def build_plan(
     compute = sum(n.compute_us for n in nodes.values() if n.phase != "placeholder") + optimizer
     comm = sum(n.comm_us for n in nodes.values()) + sum(b.latency_us for b in buckets)
     transition = sum(n.transition_us for n in nodes.values())
-    overlaps = _overlaps(problem, choice, edge_comm)
+    overlaps = _overlaps(problem, choice)
     hidden = sum(o.hidden_us for o in overlaps)
     return Plan(
         mesh_shape=space.mesh_shape,
@@ -146,14 +145,12 @@ def build_plan(
     )
 
 
-def _overlaps(problem: Problem, choice: dict, edge_comm: dict[int, float]) -> list[OverlapCost]:
+def _overlaps(problem: Problem, choice: dict) -> list[OverlapCost]:
     """Each overlap window's compute, overlappable comm and hidden part for the chosen
-    strategies (the objective's ``h`` at its optimum: fraction * min(C, O))."""
-    compute_us = problem.tables.compute_us
+    strategies: the hardware's fraction of the smaller of the two (solver/overlap.py)."""
     found = []
     for window in problem.overlap_windows:
-        compute = sum(compute_us[node][choice[node]] for node in window.compute_nodes)
-        comm = sum(edge_comm[index] for index in window.comm_edges)
+        compute, comm = window_times(problem, window, choice)
         if comm <= 0.0:
             continue
         hidden = problem.overlap_fraction * min(compute, comm)

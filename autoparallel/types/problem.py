@@ -102,19 +102,16 @@ class Bucket:
 @dataclass(frozen=True)
 class OverlapWindow:
     """Communication the runtime runs on the collective threads while some compute runs on
-    the host: the comm of ``comm_edges`` (every move on them) hides behind the compute of
-    ``compute_nodes``, up to ``fraction`` of the smaller of the two (see solver/overlap.py).
-
-    ``column`` is the window's hidden-time variable; windows whose two rows come out equal
-    (the interior layers of a folded model) share one column.
-    """
+    the host: the comm of ``comm_edges`` (every move on them, ``comm_row`` in the edge
+    columns, a bucket's latency left out) hides behind the compute of ``compute_nodes``, up
+    to the hardware's overlap fraction of the smaller of the two (see solver/overlap.py)."""
 
     phase: str  # "forward" or "backward"
-    comm: str  # what hides, e.g. "parameter gathers of layers.3."
-    during: str  # behind what, e.g. "forward of layers.2."
+    comm: str  # what hides, e.g. "parameter gathers of layers.3"
+    during: str  # behind what, e.g. "forward of layers.2"
     compute_nodes: tuple[fx.Node, ...]
     comm_edges: tuple[int, ...]  # indices into tables.edges
-    column: int
+    comm_row: Row  # sum of comm_us * column over the edges' moves
 
 
 @dataclass
@@ -134,14 +131,15 @@ class Problem:
     edge_encodings: list[str] = field(default_factory=list)
     # collectives the runtime coalesces, priced one latency per bucket (solver/buckets.py)
     buckets: list[Bucket] = field(default_factory=list)
-    # communication priced as hidden behind compute (solver/overlap.py); fraction 0: none
+    # communication priced as hidden behind compute (solver/overlap.py); fraction 0: none.
+    # overlap_shares[w]: the part of window w's comm the objective takes off
     overlap_windows: list[OverlapWindow] = field(default_factory=list)
+    overlap_shares: list[float] = field(default_factory=list)
     overlap_fraction: float = 0.0
-    # per column upper bound; None: every column is in [0, 1] (the x, y and f columns)
-    column_upper: np.ndarray | None = None
     # (edge, pair) -> objective saving of each bucket member, indexed by set_buckets
     _savings: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
     _shares: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+    _bucket_edges: set[int] = field(default_factory=set, repr=False)
 
     def set_buckets(self, buckets: list[Bucket]) -> None:
         self.buckets = buckets
@@ -149,6 +147,7 @@ class Problem:
             (m.edge, m.pair): m.saving_us - m.share_us for b in buckets for m in b.members
         }
         self._shares = {(m.edge, m.pair): m.share_us for b in buckets for m in b.members}
+        self._bucket_edges = {m.edge for b in buckets for m in b.members}
 
     def pair_saving(self, edge: int, pair: int) -> float:
         """How far below its route's price pair ``pair`` of edge ``edge`` is in the objective,
@@ -188,20 +187,36 @@ class Problem:
         the objective (0 for a pair in no bucket)."""
         return self._shares.get((edge, pair), 0.0)
 
-    def add_columns(self, costs: np.ndarray, upper: float) -> np.ndarray:
-        """Append continuous columns with objective ``costs`` and bounds [0, ``upper``];
-        returns their indices."""
-        start = self.num_variables
-        bounds = self.upper_bounds()
-        self.objective = np.concatenate([self.objective, costs])
-        self.integrality = np.concatenate([self.integrality, np.zeros(len(costs), dtype=bool)])
-        self.column_upper = np.concatenate([bounds, np.full(len(costs), upper)])
-        return np.arange(start, self.num_variables, dtype=np.int64)
+    def chosen_pair(self, index: int, choice: dict[fx.Node, int]) -> tuple[int, int]:
+        """(src option, dst option) edge ``index`` takes under the strategies of ``choice``."""
+        edge = self.tables.edges[index]
+        return (
+            edge.src_of_strategy[choice[edge.producer]],
+            edge.dst_of_strategy[choice[edge.consumer]],
+        )
 
-    def upper_bounds(self) -> np.ndarray:
-        if self.column_upper is None:
-            return np.ones(self.num_variables)
-        return self.column_upper
+    def chosen_comm_us(self, index: int, choice: dict[fx.Node, int]) -> float:
+        """The comm of edge ``index`` under ``choice``, a bucket member's without the bucket's
+        latency (its cheapest route's price otherwise)."""
+        edge = self.tables.edges[index]
+        src, dst = self.chosen_pair(index, choice)
+        if edge.routes is not None:
+            comm = edge.routes.table.price(
+                edge.routes.src_states[src], edge.routes.dst_states[dst]
+            )[0]
+        else:
+            comm = next((c for i, j, c, _ in edge.pairs if (i, j) == (src, dst)), 0.0)
+        pair = self.pair_index(index, src, dst) if index in self._bucket_edges else None
+        if pair is not None:
+            comm -= self.pair_saving(index, pair) + self.bucket_share(index, pair)
+        return float(comm)
+
+    def pair_index(self, index: int, src: int, dst: int) -> int | None:
+        """Position of the pair (src, dst) in edge ``index``'s pairs, None if infeasible."""
+        for k, (i, j, _, _) in enumerate(self.tables.edges[index].pairs):
+            if i == src and j == dst:
+                return k
+        return None
 
     @property
     def num_variables(self) -> int:
