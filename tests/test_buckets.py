@@ -142,3 +142,25 @@ def test_gather_prices_are_the_bandwidth_of_the_step(fake_mesh):
         copy_in *= topology.hardware.synchronous_ops  # priced on a synchronous host only
         full = all_gather_us(nbytes, 0, topology)
         assert argument.comm_us == pytest.approx(full - latency + copy_in)
+
+
+def test_a_gradient_sharded_twice_on_one_dim_is_not_coalesced(fake_mesh):
+    """A parameter S(0)S(0) has its rows split by both mesh dims (nested): this rank's block
+    of a reduce-scatter over mesh dim 0 would be the wrong rows, so the runtime leaves that
+    move to DTensor (it once trained a LLaMA's w1 on the wrong gradient), and the solver
+    does not price it as a bucket member."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    from autoparallel.cost.topology import Topology
+    from autoparallel.runtime.coalesce import coalescable
+    from autoparallel.solver.buckets import _single_step
+
+    mesh = fake_mesh((2, 2))
+    grad = DTensor.from_local(torch.zeros(8, 4), mesh, (Partial(), Shard(0)), run_check=False)
+    assert coalescable(grad, (), (Shard(0), Shard(0)), mesh) is None
+    assert coalescable(grad, (), (Shard(1), Shard(0)), mesh) is not None
+    topology = Topology((2, 2))
+    nested = ((Partial(), Shard(0)), (Shard(0), Shard(0)))
+    assert _single_step("gradient_reduction", *nested, (16, 4), topology) is None
+    across = ((Partial(), Shard(0)), (Shard(1), Shard(0)))
+    assert _single_step("gradient_reduction", *across, (16, 4), topology) == (0, "reduce_scatter")

@@ -178,8 +178,8 @@ def test_the_next_layers_parameter_gather_starts_before_this_layers_compute():
     out = graph.call_function(torch.ops.aten.mm.default, (hidden, full_second))
     graph.output(out)
     module = fx.GraphModule(torch.nn.Module(), graph)
-    assert issue_collectives_early(module, parameter_inputs=0) == 0  # not parameters: stay
-    assert issue_collectives_early(module, parameter_inputs=3) == 1
+    assert issue_collectives_early(module) == 0  # not parameters: stay
+    assert issue_collectives_early(module, parameter_positions=[1, 2]) == 1
     order = list(module.graph.nodes)
     assert order.index(gathered_first) < order.index(gathered_second) < order.index(hidden)
     assert order.index(full_first) == order.index(hidden) - 1

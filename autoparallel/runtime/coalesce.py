@@ -99,9 +99,17 @@ def coalescable(value: DTensor, route: tuple, target: tuple, mesh: DeviceMesh) -
         local = value.to_local()
         if local.ndim <= dst.dim or local.shape[dst.dim] % mesh.size(mesh_dim):
             return None
+        if any(_shards(p, dst.dim) for d, p in enumerate(target) if d != mesh_dim):
+            # a tensor dim sharded over two mesh dims: this rank's block of the local tensor
+            # is not its shard in the nested layout; left to DTensor's own redistribute
+            return None
     elif not isinstance(dst, Replicate):
         return None
     return Reduction(mesh_dim, dst, value.dtype)
+
+
+def _shards(placement: object, dim: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim == dim
 
 
 def _reduce_together(

@@ -19,7 +19,7 @@ Under ``torch.compile`` the phases are not traced here: AOTAutograd traces them 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,14 +77,21 @@ def rebuild_saved(
 
 
 class TracedPhase:
-    """A phase function, traced into a local graph on its first call."""
+    """A phase function, traced into a local graph on its first call.
+
+    ``parameter_positions`` says, when the phase is traced, which of its inputs are
+    parameters (or their casts and views): their gathers are issued one gather ahead (see
+    :func:`issue_collectives_early`)."""
 
     def __init__(
-        self, name: str, function: Callable[..., list[torch.Tensor]], parameter_inputs: int = 0
+        self,
+        name: str,
+        function: Callable[..., list[torch.Tensor]],
+        parameter_positions: Callable[[], Collection[int]] = tuple,
     ):
         self.name = name
         self.function = function
-        self.parameter_inputs = parameter_inputs  # leading inputs that are parameters
+        self.parameter_positions = parameter_positions
         self.graph_module: fx.GraphModule | None = None
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -103,7 +110,7 @@ class TracedPhase:
         with torch.no_grad():
             graph_module = make_fx(self.function)(*tensors)
         drop_identity_views(graph_module)
-        issue_collectives_early(graph_module, self.parameter_inputs)
+        issue_collectives_early(graph_module, self.parameter_positions())
         self.graph_module = graph_module
 
 
@@ -151,37 +158,38 @@ def _is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and name.startswith("_c10d_functional.") and _WAIT not in name
 
 
-def issue_collectives_early(graph_module: fx.GraphModule, parameter_inputs: int = 0) -> int:
+def issue_collectives_early(
+    graph_module: fx.GraphModule, parameter_positions: Collection[int] = ()
+) -> int:
     """Start each collective as soon as its inputs are ready and wait for it as late as its
     first reader allows, so that it runs (on gloo's or NCCL's own threads) while the ops in
     between compute; returns how many collectives moved.
 
     A collective moves with the packing ops only it reads (a bucket's flattening views and
-    ``cat``, a parameter's cast) to just after the last op it depends on, never ahead of a
-    collective that came before it (every rank keeps issuing them in one order). A gather
-    of parameters (the first ``parameter_inputs`` graph inputs) would move to the top,
-    holding every layer unsharded at once: it moves one such gather ahead instead, to where
-    the previous one was, so the next layer's gather runs during this layer's compute
-    (FSDP's prefetch; two layers unsharded at a time). A collective of other graph inputs
-    stays. Each ``wait_tensor`` moves to just before its first reader. Values are
-    unchanged: only the order of independent ops changes.
+    ``cat``, a parameter's cast) to just after the last op it depends on. A gather of
+    parameters (graph inputs at ``parameter_positions``) would move to the top, holding
+    every layer unsharded at once: it moves one such gather ahead instead, to where the
+    previous one was, so the next layer's gather runs during this layer's compute (FSDP's
+    prefetch, in the forward and, in reverse layer order, in the backward; two layers
+    unsharded at a time), and the gathers keep their order. A collective of other graph
+    inputs stays. Each ``wait_tensor`` moves to just before its first reader. Values are
+    unchanged: only the order of independent ops changes, the same way on every rank (the
+    graphs are the same), so the ranks still issue their collectives in one order.
     """
     graph = graph_module.graph
-    parameters = set(list(graph.find_nodes(op="placeholder"))[:parameter_inputs])
-    moved, floor, previous_gather = 0, None, None
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    parameters = {placeholders[i] for i in parameter_positions if i < len(placeholders)}
+    moved, previous_gather, last_gather = 0, None, None
     for node in [n for n in graph.nodes if _is_collective(n)]:
         chain = _packing_chain(node)
         external = {arg for member in chain for arg in member.all_input_nodes if arg not in chain}
-        if all(arg.op == "placeholder" for arg in external):
-            if external and external <= parameters:
-                anchor, previous_gather = previous_gather, chain[0].prev
-            else:
-                anchor = None
-        else:
-            anchor = _last(graph, external)
-        if anchor is not None:
-            moved += _move_after(graph, chain, anchor, floor)
-        floor = node
+        if external and external <= parameters:
+            anchor, previous_gather = previous_gather, chain[0].prev
+            if anchor is not None:
+                moved += _move_after(graph, chain, anchor, last_gather)
+            last_gather = node
+        elif not all(arg.op == "placeholder" for arg in external):
+            moved += _move_after(graph, chain, _last(graph, external), None)
     position = {node: i for i, node in enumerate(graph.nodes)}
     for wait in reversed([n for n in graph.nodes if _WAIT in str(n.target)]):
         if wait.users:
@@ -202,7 +210,7 @@ def _move_after(
     graph: fx.Graph, chain: list[fx.Node], anchor: fx.Node, floor: fx.Node | None
 ) -> int:
     """Move ``chain`` (in order) to just after ``anchor``, or after ``floor`` (the previous
-    collective) if that is later; 1 if it moved."""
+    gather, for a gather) if that is later; 1 if it moved."""
     if floor is not None and _last(graph, {anchor, floor}) is floor:
         anchor = floor
     preceding = chain[0].prev

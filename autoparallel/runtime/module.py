@@ -39,6 +39,7 @@ from autoparallel.runtime.init import (
 )
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
 from autoparallel.runtime.shards import wrap_shard
+from autoparallel.trace.view_ops import parameter_views
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import placement_str
 from autoparallel.types.plan import Plan
@@ -176,9 +177,11 @@ class _Runtime:
             for node in joint.graph.find_nodes(op="get_attr")
         }
         self.forward_phase = TracedPhase(
-            "forward", self._forward_program, parameter_inputs=len(joint.params)
+            "forward", self._forward_program, lambda: range(len(joint.params))
         )
-        self.backward_phase = TracedPhase("backward", self._backward_program)
+        self.backward_phase = TracedPhase(
+            "backward", self._backward_program, self._saved_parameter_positions
+        )
         self.inference_phase = TracedPhase("inference", self._inference_program)
         self.variants: ShapeVariants | None = None  # set when planned with dynamic=True
         self.initializing = False  # inside full_value_init (runtime/init.py)
@@ -189,6 +192,17 @@ class _Runtime:
 
     def __hash__(self) -> int:
         return id(self)
+
+    def _saved_parameter_positions(self) -> list[int]:
+        """Positions among the backward's inputs (the saved tensors first) of the saved
+        parameters, their casts and views: the backward's re-gathers read these. Known once
+        the forward has been traced (it lays the saved tensors out)."""
+        readers = parameter_views(self.joint)
+        return [
+            i
+            for i, slot in enumerate(self.saved_slots)
+            if slot.index is None and slot.node in readers
+        ]
 
     # ------------------------------------------------------------------ inputs
 

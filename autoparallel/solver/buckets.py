@@ -221,7 +221,17 @@ def _single_step(
             return None
         if isinstance(after, Replicate):
             return d, "all_reduce"
-        if type(after) is Shard and after.dim < len(local) and local[after.dim] % ranks == 0:
+        nested = any(
+            type(p) is Shard and p.dim == getattr(after, "dim", None)
+            for k, p in enumerate(dst)
+            if k != d
+        )
+        if (
+            type(after) is Shard
+            and after.dim < len(local)
+            and local[after.dim] % ranks == 0
+            and not nested  # the runtime leaves a dim sharded twice to DTensor
+        ):
             return d, "reduce_scatter"
         return None
     if (

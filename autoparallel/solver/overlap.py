@@ -5,8 +5,10 @@ where its result is read (``runtime/local_graph.py``); gloo and NCCL run it on t
 threads or streams while the host goes on computing. Two kinds of collective have compute to
 hide behind:
 
-* **forward parameter gathers** (FSDP's prefetch): a layer's gathers are issued one gather
-  ahead, where the previous layer's were, so they run while the previous layer computes.
+* **parameter gathers** (FSDP's prefetch): a layer's gathers are issued one gather ahead,
+  where the previous layer's were, so they run while the previous layer computes; in the
+  forward and, for the re-gathers of a plan that reshards after the forward, in the
+  backward (last layer first).
   The parameters outside numbered layers (embedding, final norm, head) are gathered together
   at their first reader, with nothing before them: exposed.
 * **gradient reductions** (DDP's overlap): gradients fill buckets in the order they become
@@ -20,9 +22,8 @@ linear in the edge columns) and the compute C it hides behind (linear in the nod
 A step hides ``fraction * min(C, O)`` of it: max(C, O) for ``fraction = 1`` (a GPU's
 separate streams), less where the collective threads compete with compute for the host
 (CPU gloo; ``autoparallel calibrate`` measures ``Hardware.overlap_fraction``). Every other
-collective (tensor-parallel activations, redistributions between ops, the backward's
-parameter re-gathers, which our runtime does not prefetch) stays fully charged, on the
-critical path.
+collective (tensor-parallel activations, redistributions between ops) stays fully
+charged, on the critical path.
 
 The objective prices the min linearly: each window's comm columns are discounted by
 ``share * O``, with ``share = fraction * min(1, C / O)`` at the last plan (``fraction`` before
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from autoparallel.solver.prefetch import parameter_views
+from autoparallel.trace.view_ops import parameter_views
 from autoparallel.types.bucketing import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, capped_buckets
 from autoparallel.types.graph import layer_of
 from autoparallel.types.problem import OverlapWindow, Problem, Row
@@ -63,7 +64,12 @@ def add_overlap(problem: Problem, fraction: float) -> None:
     if fraction <= 0.0:
         return
     windows = []
-    for window in _forward_windows(problem) + _backward_windows(problem):
+    windows_found = (
+        _gather_windows(problem, forward=True)
+        + _gather_windows(problem, forward=False)
+        + _reduction_windows(problem)
+    )
+    for window in windows_found:
         comm = _comm_row(problem, window.comm_edges)
         if not comm.values.any() or not _compute_row(problem, window.compute_nodes).values.any():
             continue  # nothing to hide, or nothing to hide behind
@@ -133,18 +139,20 @@ def _group(name: str) -> str:
     return layer_of(name) or name
 
 
-def _forward_windows(problem: Problem) -> list[_Window]:
-    """Each layer's forward parameter gathers, behind the compute from the previous
-    layer's first parameter read to this layer's (the runtime's one-gather-ahead prefetch).
+def _gather_windows(problem: Problem, forward: bool) -> list[_Window]:
+    """Each layer's parameter gathers in one phase, behind the compute from the previous
+    layer's first parameter read to this layer's (the runtime's one-gather-ahead prefetch;
+    in the backward the layers come last first).
 
     Gathers go by ``layer_of`` (the runtime's groups, all non-layer parameters in one);
     the first group's gathers have no compute before them."""
     joint, tables = problem.joint, problem.tables
+    phase = "forward" if forward else "backward"
     readers = parameter_views(joint)
     # (gather group, its nodes) in order; None: the nodes before the first parameter read
     regions: list[tuple[str | None, list[fx.Node]]] = [(None, [])]
     seen: set[str] = set()
-    for node in _calls(problem, forward=True):
+    for node in _calls(problem, forward=forward):
         # the first op that computes with a group's parameter starts its region (casts and
         # views of a parameter are readers too, but the runtime gathers where ops compute)
         groups = (
@@ -159,16 +167,20 @@ def _forward_windows(problem: Problem) -> list[_Window]:
         regions[-1][1].append(node)
     edges_of: dict[str, list[int]] = defaultdict(list)
     for index, edge in enumerate(tables.edges):
-        if edge.kind == "arg" and edge.consumer in joint.forward_nodes and edge.producer in readers:
+        if (
+            edge.kind == "arg"
+            and (edge.consumer in joint.forward_nodes) == forward
+            and edge.producer in readers
+        ):
             edges_of[layer_of(readers[edge.producer])].append(index)
     windows = []
     for (previous, compute), (group, _) in zip(regions, regions[1:]):
         if previous is not None and edges_of.get(group):
             windows.append(
                 _Window(
-                    "forward",
+                    phase,
                     f"parameter gathers of {_label(group)}",
-                    f"forward of {_label(previous)}",
+                    f"{phase} of {_label(previous)}",
                     tuple(compute),
                     tuple(edges_of[group]),
                 )
@@ -176,7 +188,7 @@ def _forward_windows(problem: Problem) -> list[_Window]:
     return windows
 
 
-def _backward_windows(problem: Problem) -> list[_Window]:
+def _reduction_windows(problem: Problem) -> list[_Window]:
     """Each gradient bucket's reductions, behind the backward compute from its last
     gradient to the next bucket's last (or the end of the backward).
 

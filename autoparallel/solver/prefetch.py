@@ -11,25 +11,10 @@ import numpy as np
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from autoparallel.trace.view_ops import is_view_node
+from autoparallel.trace.view_ops import parameter_views
 from autoparallel.types.costs import EdgeCost
-from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi
 from autoparallel.types.problem import Problem
-
-
-def parameter_views(joint: JointGraph) -> dict[fx.Node, str]:
-    """Nodes that are a parameter as the forward reads it, with the parameter's name: its
-    placeholder, its mixed-precision cast, and the view/transpose chains of those (one
-    pass). A collective on one of them reads parameters only, so the runtime can issue it
-    ahead of the compute (runtime/local_graph.py)."""
-    found = joint.parameter_sources()
-    for node in joint.graph.nodes:
-        if node in joint.forward_nodes and is_view_node(node) and node.all_input_nodes:
-            names = {found.get(producer) for producer in node.all_input_nodes}
-            if len(names) == 1 and None not in names:
-                found[node] = names.pop()
-    return found
 
 
 def _gathers(src: OutputPlacements, dst: OutputPlacements) -> bool:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autoparallel.types.graph import JointGraph
+
 # ATen packets that only produce views or read metadata; ``op.is_view`` catches the rest
 # (and is what makes ``reshape``-style aliases free).
 VIEW_OP_NAMES = frozenset(
@@ -62,3 +64,17 @@ def passes_gradient_through(node: fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     return is_view_node(node) or _aten_name(node.target) in _VALUE_COPIES
+
+
+def parameter_views(joint: JointGraph) -> dict[fx.Node, str]:
+    """Nodes that are a parameter as the forward reads it, with the parameter's name: its
+    placeholder, its mixed-precision cast, and the view/transpose chains of those (one
+    pass). A collective on one of them reads parameters only, so the runtime can issue it
+    ahead of the compute (runtime/local_graph.py)."""
+    found = joint.parameter_sources()
+    for node in joint.graph.nodes:
+        if node in joint.forward_nodes and is_view_node(node) and node.all_input_nodes:
+            names = {found.get(producer) for producer in node.all_input_nodes}
+            if len(names) == 1 and None not in names:
+                found[node] = names.pop()
+    return found
