@@ -90,6 +90,7 @@ def _build_variant(
             "compute": round(plan.totals.compute_us / 1e3, 3),
             "optimizer": round(plan.totals.optimizer_us / 1e3, 3),
             "comm": round(plan.totals.comm_us / 1e3, 3),
+            "hidden_comm": round(plan.totals.hidden_comm_us / 1e3, 3),
             "transition": round(plan.totals.transition_us / 1e3, 3),
         }
     inputs, targets = workload.global_batch()
