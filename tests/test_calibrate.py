@@ -96,6 +96,10 @@ def test_a_profile_round_trips_through_json(tmp_path):
         (lambda d: d.update(version=2), "version 2.*upgrade"),
         (lambda d: d["hardware"].update(flops_fp32=-1.0), r"hardware\.flops_fp32 must be positive"),
         (lambda d: d["hardware"]["collectives"][0].update(link="pcie"), r"collectives\[0\]\.link"),
+        (
+            lambda d: d["hardware"].update(overlap_fraction=1.5),
+            r"hardware\.overlap_fraction must be within \[0, 1\]",
+        ),
     ],
 )
 def test_a_bad_profile_says_what_is_wrong(tmp_path, change, needle):
@@ -121,6 +125,9 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     # a CPU host runs its ops synchronously; views and the optimizer step are measured
     assert hardware.synchronous_ops and hardware.view_op_us > 0
     assert hardware.optimizer_us_per_tensor + hardware.optimizer_ns_per_element > 0
+    # how much of an all-reduce hides behind compute on these ranks: measured, a fraction
+    assert 0.0 <= hardware.overlap_fraction <= 1.0
+    assert any(sample["what"] == "overlap" for sample in calibration.samples)
     path = tmp_path / "profile.json"
     calibration.write(path)
 

@@ -184,3 +184,37 @@ def test_the_next_layers_parameter_gather_starts_before_this_layers_compute():
     assert order.index(gathered_first) < order.index(gathered_second) < order.index(hidden)
     assert order.index(full_first) == order.index(hidden) - 1
     assert order.index(full_second) == order.index(out) - 1
+
+
+def test_a_gradient_reduction_is_not_held_behind_a_later_layers_gather():
+    """In a backward that re-gathers parameters (layers 3, 2, 1), the reduction of layer 3's
+    gradient starts right after it, ahead of layer 1's gather, which the graph lists before
+    it and which is prefetched to just after layer 3's gradient (every rank reorders the same
+    graph the same way, so the ranks still agree on the order)."""
+    import torch
+    import torch.fx as fx
+
+    from autoparallel.runtime.local_graph import issue_collectives_early
+
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    reduce = torch.ops._c10d_functional.reduce_scatter_tensor.default
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    mm = torch.ops.aten.mm.default
+    graph = fx.Graph()
+    grad, *weights = (graph.placeholder(name) for name in ("grad", "w3", "w2", "w1"))
+    gathers, grads, value = [], [], grad
+    for weight in weights:  # layer 3 first, as the backward runs
+        gathers.append(graph.call_function(gather, (weight, 2, "0")))
+        value = graph.call_function(mm, (value, graph.call_function(wait, (gathers[-1],))))
+        grads.append(value)
+    reduced = graph.call_function(reduce, (grads[0], "sum", 2, "0"))
+    done = graph.call_function(wait, (reduced,))
+    graph.output([value, done])
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    issue_collectives_early(module, parameter_positions=[1, 2, 3])
+    order = list(module.graph.nodes)
+    assert order.index(gathers[1]) < order.index(grads[0])  # layer 2's, prefetched
+    assert order.index(grads[0]) < order.index(gathers[2]) < order.index(grads[1])
+    assert order.index(reduced) == order.index(grads[0]) + 1  # right after its input
+    assert order.index(reduced) < order.index(gathers[2])  # not held behind layer 1's gather
+    assert order.index(grads[2]) < order.index(done)
