@@ -119,9 +119,7 @@ def window_times(
     comm of its edges' chosen moves (a bucket's latency left out)."""
     compute_us = problem.tables.compute_us
     compute = sum(compute_us[node][choice[node]] for node in window.compute_nodes)
-    comm = 0.0
-    for index in window.comm_edges:
-        comm += problem.chosen_comm_us(index, choice)
+    comm = sum(problem.chosen_comm_us(index, choice) for index in window.comm_edges)
     return compute, comm
 
 

@@ -35,14 +35,6 @@ def _pair_price(edge: EdgeCost, src_index: int, dst_index: int) -> tuple[float, 
     )
 
 
-def _pair_index(edge: EdgeCost, src_index: int, dst_index: int) -> int | None:
-    """Index of the pair (src_index, dst_index) in ``edge.pairs``, None if infeasible."""
-    for k, (i, j, _, _) in enumerate(edge.pairs):
-        if i == src_index and j == dst_index:
-            return k
-    return None
-
-
 def _route(
     edge: EdgeCost, src: OutputPlacements, dst: OutputPlacements
 ) -> tuple[OutputPlacements, ...]:
@@ -83,7 +75,7 @@ def build_plan(
         src, dst = edge.src_options[src_index], edge.dst_options[dst_index]
         route = _route(edge, src, dst)
         found = (
-            bucket_of.get((index, _pair_index(edge, src_index, dst_index)))
+            bucket_of.get((index, problem.pair_index(index, src_index, dst_index)))
             if index in bucket_edges
             else None
         )
