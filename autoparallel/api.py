@@ -184,6 +184,17 @@ class AutoParallel:
         """Bound parameter memory per device, in bytes (defaults push toward 1/world-size)."""
         return self.sharding_optimizer.add_parameter_memory_constraint(low, high)
 
+    def add_memory_constraint(self, budget_bytes: float, optimizer: str | float = "adamw") -> str:
+        """Keep the predicted peak memory per device of a whole training step within
+        ``budget_bytes``: parameters, gradients, ``optimizer``'s state ("adamw", "adam",
+        "sgd", "sgd-momentum" or bytes per parameter element), the activations saved for
+        the backward and the gathered parameters (``plan.memory`` itemizes them).
+
+        Raises InfeasibleConstraintsError when no plan fits, with a lower bound on the
+        smallest peak any plan reaches.
+        """
+        return self.sharding_optimizer.add_memory_constraint(budget_bytes, optimizer)
+
     def optimize_placement(self, verbose: bool = False) -> Plan:
         """Solve the problem and return the plan.
 
@@ -299,6 +310,8 @@ def auto_parallel(
     *,
     mp_policy: Any = None,
     parameter_memory_budget: tuple[float | None, float | None] | None = None,
+    memory_budget: float | None = None,
+    optimizer: str | float = "adamw",
     dynamic: bool = False,
     **planner_options: Any,
 ) -> nn.Module:
@@ -312,6 +325,9 @@ def auto_parallel(
             output tensor.
         parameter_memory_budget: ``(low, high)`` bytes per device for the parameter memory
             constraint (``(None, None)`` = the defaults); ``None`` adds no constraint.
+        memory_budget: peak bytes per device of a training step (see
+            :meth:`AutoParallel.add_memory_constraint`), with ``optimizer``'s state;
+            ``None`` adds no constraint.
         dynamic: accept other input sizes at run time without planning again (see
             :class:`AutoParallel`).
         planner_options: passed to :class:`AutoParallel` (hardware, gpus_per_node, ...).
@@ -352,5 +368,7 @@ def auto_parallel(
         if parameter_memory_budget is not None:
             low, high = parameter_memory_budget
             autop.add_parameter_memory_constraint(low, high)
+        if memory_budget is not None:
+            autop.add_memory_constraint(memory_budget, optimizer)
         plan = autop.optimize_placement()
         return autop.apply_placement(plan)

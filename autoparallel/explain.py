@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from autoparallel.cost.topology import Topology
 from autoparallel.files.plan_json import hardware_json, plan_json
-from autoparallel.report.text import hardware_lines, solver_lines, totals_lines
+from autoparallel.report.text import hardware_lines, memory_lines, solver_lines, totals_lines
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, placement_str
 from autoparallel.types.plan import NodePlan, Plan
@@ -60,7 +60,7 @@ def log_plan(plan: Plan, level: int = logging.INFO, topology: Topology | None = 
     data = plan_json(plan)
     if topology is not None:
         data["hardware"] = hardware_json(topology)
-    for line in hardware_lines(data) + totals_lines(data) + solver_lines(data):
+    for line in hardware_lines(data) + totals_lines(data) + memory_lines(data) + solver_lines(data):
         logger.log(level, "%s", line)
     if plan.fallbacks:
         logger.log(level, "replicated for lack of a strategy: %s", ", ".join(plan.fallbacks))

@@ -29,7 +29,8 @@ from autoparallel.files.problem import load_problem, save_problem
 from autoparallel.report.text import PlanDiff, diff_plan_json
 from autoparallel.solver.buckets import members_in_use, share_by_use
 from autoparallel.solver.constraints import parameter_memory_constraint, placement_constraint
-from autoparallel.solver.highs import SolverOptions, solve
+from autoparallel.solver.highs import InfeasibleConstraintsError, SolverOptions, solve
+from autoparallel.solver.memory import build_memory_model, memory_constraint_of, smallest_peak
 from autoparallel.solver.overlap import fit_shares
 from autoparallel.solver.plan import build_plan
 from autoparallel.solver.prefetch import prefetchable_columns
@@ -38,6 +39,9 @@ from autoparallel.types.plan import Plan, Solution
 from autoparallel.types.problem import Problem
 
 logger = logging.getLogger(__name__)
+
+MEMORY_CONSTRAINT = "memory"
+"""The name of the constraint :meth:`ShardingOptimizer.add_memory_constraint` adds."""
 
 REFITS = 3
 """Re-solves at most after the prices that follow the plan were refitted (see resolve)."""
@@ -87,8 +91,32 @@ class ShardingOptimizer:
             parameter_memory_constraint(self.problem, name, low, high)
         )
 
+    def add_memory_constraint(self, budget_bytes: float, optimizer: str | float = "adamw") -> str:
+        """Keep the predicted peak memory per device of a training step within
+        ``budget_bytes`` (parameters, gradients, optimizer state, saved activations and
+        gathered parameters: see ``solver/memory.py``). ``optimizer`` says what state the
+        optimizer keeps: "adamw" (default), "adam", "sgd", "sgd-momentum", or bytes per
+        parameter element. Replaces an earlier memory constraint; returns its name.
+
+        Raises InfeasibleConstraintsError when no plan can fit, naming a lower bound on the
+        smallest peak; ValueError for a budget that is not positive or an unknown optimizer.
+        """
+        name = MEMORY_CONSTRAINT
+        if name in self.problem.user_constraints:
+            self.remove_constraints([name])
+        model = build_memory_model(self.problem, optimizer)
+        constraint = memory_constraint_of(self.problem, model, name, float(budget_bytes))
+        if smallest_peak(model) > float(budget_bytes):
+            raise InfeasibleConstraintsError([name], [constraint.description])
+        self.problem.memory = model
+        self.problem.memory_optimizer = optimizer
+        self.problem.memory_budget = float(budget_bytes)
+        return self.problem.add_constraint(constraint)
+
     def remove_constraints(self, names: Sequence[str]) -> None:
         self.problem.remove_constraints(list(names))
+        if MEMORY_CONSTRAINT in names:
+            self.problem.memory_budget = None
 
     def constraints(self) -> dict[str, str]:
         """Name -> description of every user constraint in force."""

@@ -17,6 +17,12 @@ Comparisons, one JSON line each on stdout (children's output goes to stderr):
 
 ``ratio`` is ours / theirs (below 1: ours is faster).
 
+Every variant reports ``phase_ms``: the median milliseconds of the forward (with the loss),
+the backward and the optimizer step, on rank 0's clock. Ours also reports
+``exposed_comm_ms``, measured with the profiler over 5 more steps on rank 0: ``wait`` is
+the time blocked waiting for collectives (what overlap did not hide) and ``launch`` the time
+spent starting them; ``predicted_exposed_comm_ms`` is the plan's ``totals.exposed_comm_us``.
+
 ``--compile`` also times ours under ``torch.compile(parallel, backend=autoparallel_backend(),
 fullgraph=True)`` (same plan, same steps) and adds it to each line: ``ours_compiled``,
 ``ratio_compiled_over_eager`` (compiled ours / eager ours) and ``ratio_compiled_over_theirs``.
@@ -75,6 +81,7 @@ def _build_ours(
     return planned.module, {
         "planning_s": round(planned.planning_s, 3),
         "predicted_ms": round(plan.totals.total_us / 1e3, 3),
+        "predicted_exposed_comm_ms": round(plan.totals.exposed_comm_us / 1e3, 3),
         "priced_on": plan.priced_on,
         "param_placements": placements,
         "buckets": [f"{b.description} x{b.tensors}" for b in plan.buckets],
@@ -117,12 +124,17 @@ def time_variant(
     inputs, targets = workload.global_batch()
     inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
     losses: list[float] = []
+    phase_ms: dict[str, list[float]] = {}
     scale = 1.0 / world_size if variant.startswith("ours") else 1.0  # see training_step
-    step = training_step(run, optimizer, inputs, targets, scale, losses)
+    step = training_step(run, optimizer, inputs, targets, scale, losses, phase_ms)
     warm = measure_step(step, steps=warmup, warmup=0) if warmup else None
     compiles_in_warmup = compiles.count
+    phase_ms.clear()
     timed = measure_step(step, steps=steps, warmup=0)
-    global_loss = torch.tensor(losses, dtype=torch.float64)
+    extra["phase_ms"] = {phase: round(statistics.median(ms), 3) for phase, ms in phase_ms.items()}
+    if variant.startswith("ours"):  # after the timed steps: the profiler slows what it watches
+        extra["exposed_comm_ms"] = _exposed_comm_ms(step, PROFILED_STEPS)
+    global_loss = torch.tensor(losses[: warmup + steps], dtype=torch.float64)
     dist.all_reduce(global_loss)  # gloo has no ReduceOp.AVG
     if variant.endswith(COMPILED):  # a compile inside the timed steps would spoil the median
         extra["graphs_compiled"] = compiles.count
@@ -136,6 +148,30 @@ def time_variant(
         "param_bytes_per_rank": local_param_bytes(model),
         **extra,
     }
+
+
+PROFILED_STEPS = 5
+"""Steps run under the profiler, after the timed ones, to measure ours' exposed comm."""
+
+
+def _exposed_comm_ms(step: Any, steps: int) -> dict[str, float]:
+    """This rank's milliseconds per step on the critical path of communication, from the
+    profiler: ``wait`` blocked in functional collectives' ``wait_tensor`` (comm that compute
+    did not hide) and ``launch`` in starting collectives (copies into and out of the
+    coalesced buffers included). Only ours: DDP's and FSDP2's waits happen inside C++
+    hooks and streams that the CPU profiler does not attribute."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    wait_us = launch_us = 0.0
+    for event in prof.key_averages():
+        if event.key == "_c10d_functional::wait_tensor":
+            wait_us += event.self_cpu_time_total
+        elif event.key.startswith(("_c10d_functional::", "c10d::")):
+            launch_us += event.self_cpu_time_total
+    return {"wait": round(wait_us / 1e3 / steps, 3), "launch": round(launch_us / 1e3 / steps, 3)}
 
 
 class _CompileCounter(logging.Handler):
@@ -193,6 +229,9 @@ def _summary(result: dict) -> dict:
         "param_bytes_per_rank",
         "planning_s",
         "predicted_ms",
+        "phase_ms",
+        "exposed_comm_ms",
+        "predicted_exposed_comm_ms",
         "priced_on",
         "param_placements",
         "buckets",

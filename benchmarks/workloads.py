@@ -144,8 +144,11 @@ def plan_ours(
     recipe: str = "free",
     hardware: str | None = None,
     memory_constraint: bool = False,
+    memory_budget: float | None = None,
 ) -> PlannedModel:
-    """Plan ``workload`` on ``mesh`` (pinned to ``recipe``), build and init the parallel module."""
+    """Plan ``workload`` on ``mesh`` (pinned to ``recipe``; with the parameter memory
+    constraint, or a peak ``memory_budget`` in bytes per device), build and init the
+    parallel module."""
     from torch.distributed.tensor import Shard
 
     with torch.device("meta"):
@@ -157,6 +160,8 @@ def plan_ours(
         autop.add_output_constraints([(Shard(0),)])
         if memory_constraint:
             autop.add_parameter_memory_constraint()
+        if memory_budget is not None:
+            autop.add_memory_constraint(memory_budget)
         pin_recipe(autop, recipe, mesh.size())
         plan = autop.optimize_placement()
         check_same_plan(plan)
@@ -204,6 +209,10 @@ def build_torch_ddp(workload: Workload) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+PHASES = ("forward", "backward", "optimizer")
+"""The parts of a step :func:`training_step` times: forward + loss, backward, optimizer step."""
+
+
 def training_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -211,9 +220,12 @@ def training_step(
     targets: torch.Tensor | None,
     loss_scale: float,
     losses: list[float],
+    phase_ms: dict[str, list[float]] | None = None,
 ) -> Callable[[], None]:
     """One step: zero_grad, forward, loss, backward of ``loss * loss_scale``, optimizer step;
-    appends each step's loss to ``losses``.
+    appends each step's loss to ``losses`` and, given ``phase_ms``, the milliseconds of each
+    of :data:`PHASES` to ``phase_ms[phase]`` (this rank's clock; on CPU every op is
+    synchronous, so the split is exact up to the collectives a phase leaves running).
 
     Our module's gradients are those of the SUM of the ranks' losses (it computes the
     global model); torch's DDP/FSDP2 average: ``loss_scale`` 1/world_size for ours gives
@@ -221,11 +233,19 @@ def training_step(
     """
 
     def step() -> None:
+        start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(model(inputs), targets)
+        forward_done = time.perf_counter()
         (loss * loss_scale).backward()
+        backward_done = time.perf_counter()
         optimizer.step()
+        optimizer_done = time.perf_counter()
         losses.append(loss.item())
+        if phase_ms is not None:
+            marks = (start, forward_done, backward_done, optimizer_done)
+            for phase, begin, end in zip(PHASES, marks, marks[1:]):
+                phase_ms.setdefault(phase, []).append((end - begin) * 1e3)
 
     return step
 

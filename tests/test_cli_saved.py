@@ -38,7 +38,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     _plan(
         "--mesh-names",
         "tp",
-        "--memory-budget",
+        "--parameter-memory",
         "none",
         "--out",
         str(root / "ddp.json"),

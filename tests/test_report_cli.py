@@ -356,6 +356,8 @@ def test_cli_plans_in_mixed_precision(tmp_path: Path) -> None:
         (["--mesh", "2x2", "--batch", "3"], "--batch"),
         (["--mesh", "2x2", "--seq", "0"], "--seq"),
         (["--mesh", "2x2", "--memory-budget", "lots"], "--memory-budget"),
+        (["--mesh", "2x2", "--parameter-memory", "lots"], "--parameter-memory"),
+        (["--mesh", "2x2", "--optimizer", "lion"], "--optimizer"),
         (["--mesh", "2x2", "--batch", "eight"], "--batch"),
         (["--mesh", "2x2", "--reduce-dtype", "fp32"], "--reduce-dtype"),
         (["--mesh", "2x2", "--param-dtype", "int8"], "--param-dtype"),
@@ -398,7 +400,7 @@ def test_cli_no_save_writes_the_json_and_no_problem(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     result = run_cli(
         *("plan", "--model", "tiny", "--mesh", "2", "--batch", "4", "--seq", "16"),
-        *("--memory-budget", "1MiB", "--no-save", "--out", str(out)),
+        *("--parameter-memory", "1MiB", "--no-save", "--out", str(out)),
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())

@@ -119,10 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="transformer blocks to plan (default: the model's own depth; 2 for gpt2)",
     )
     plan.add_argument(
-        "--memory-budget",
+        "--parameter-memory",
         default="default",
         help="parameter memory per device: none, default (as sharded as possible) or bytes "
         "(e.g. 2e9, 16GiB)",
+    )
+    plan.add_argument(
+        "--memory-budget",
+        default="none",
+        help="peak memory per device of a training step (parameters, gradients, optimizer "
+        "state, saved activations, gathered parameters): none, device (the hardware's memory "
+        "size) or bytes (e.g. 40GiB)",
+    )
+    plan.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="the optimizer state --memory-budget counts: adamw, adam, sgd, sgd-momentum, "
+        "or bytes per parameter element (default adamw)",
     )
     plan.add_argument(
         "--param-dtype",
@@ -176,7 +189,7 @@ class PlanRequest:
     hardware: str
     gpus_per_node: int | None
     layers: int | None
-    memory_budget: str | float | None  # None: no constraint; "default"; or bytes
+    parameter_memory: str | float | None  # None: no constraint; "default"; or bytes
     out: Path | None
     html: Path | None
     verbose: bool
@@ -184,6 +197,8 @@ class PlanRequest:
     param_dtype: str | None = None  # a key of DTYPES
     reduce_dtype: str | None = None
     trace_all_layers: bool = False
+    memory_budget: float | None = None  # peak bytes per device of a step; None: no constraint
+    optimizer: str | float = "adamw"
 
     def mp_policy(self) -> Any:
         """torch's MixedPrecisionPolicy for the dtype flags, or None without them."""
@@ -213,13 +228,45 @@ def parse_mesh_names(text: str | None, ndim: int) -> tuple[str, ...] | None:
     return names
 
 
-def parse_memory_budget(text: str) -> str | float | None:
+def parse_parameter_memory(text: str) -> str | float | None:
     key = text.strip().lower()
     if key == "none":
         return None
     if key == "default":
         return "default"
-    return parse_bytes(text, "--memory-budget", "none, default or ")
+    return parse_bytes(text, "--parameter-memory", "none, default or ")
+
+
+def parse_memory_budget(text: str, hardware: str) -> float | None:
+    """--memory-budget: None, the hardware's memory size ("device") or bytes."""
+    key = text.strip().lower()
+    if key == "none":
+        return None
+    if key == "device":
+        from autoparallel.cost.hardware import HARDWARE_PRESETS
+        from autoparallel.cost.profile import load_profile
+
+        found = HARDWARE_PRESETS.get(hardware)
+        return float((found or load_profile(hardware)).memory_bytes)
+    return parse_bytes(text, "--memory-budget", "none, device or ")
+
+
+def parse_optimizer(text: str) -> str | float:
+    from autoparallel.types.memory import OPTIMIZERS
+
+    key = text.strip().lower()
+    if key in OPTIMIZERS:
+        return key
+    try:
+        value = float(key)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise UsageError(
+            f"--optimizer {text!r}: give one of {', '.join(OPTIMIZERS)}, or the optimizer "
+            "state's bytes per parameter element (e.g. 8)"
+        )
+    return value
 
 
 def _hardware(text: str) -> str:
@@ -288,7 +335,7 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         hardware,
         args.gpus_per_node,
         layers,
-        parse_memory_budget(args.memory_budget),
+        parse_parameter_memory(args.parameter_memory),
         args.out,
         args.html,
         args.verbose,
@@ -296,6 +343,8 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         args.param_dtype,
         args.reduce_dtype,
         args.trace_all_layers,
+        parse_memory_budget(args.memory_budget, hardware),
+        parse_optimizer(args.optimizer),
     )
 
 
@@ -434,10 +483,12 @@ def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
             autop.add_input_constraints(_batch_constraints(joint.user_inputs, request.batch, ndim))
             outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
             autop.add_output_constraints(_batch_constraints(outputs, request.batch, ndim))
-            if request.memory_budget == "default":
+            if request.parameter_memory == "default":
                 autop.add_parameter_memory_constraint()
-            elif request.memory_budget is not None:
-                autop.add_parameter_memory_constraint(high=float(request.memory_budget))
+            elif request.parameter_memory is not None:
+                autop.add_parameter_memory_constraint(high=float(request.parameter_memory))
+            if request.memory_budget is not None:
+                autop.add_memory_constraint(request.memory_budget, request.optimizer)
             plan = autop.optimize_placement(verbose=request.verbose)
             elapsed = time.perf_counter() - start
             if request.save is not None:
@@ -463,15 +514,19 @@ def _depth(request: PlanRequest, model: Any) -> int | None:
 def _run_info(
     request: PlanRequest, layers: int | None, stage_times_s: Mapping[str, float], elapsed_s: float
 ) -> dict[str, Any]:
-    budget = request.memory_budget
+    budget = request.parameter_memory
     return {
         "model": request.model,
         "layers": layers,
         "batch": request.batch,
         "seq": request.seq,
-        "memory_budget": "none"
+        "parameter_memory": "none"
         if budget is None
         else (budget if isinstance(budget, str) else f"{budget:.0f} bytes"),
+        "memory_budget": "none"
+        if request.memory_budget is None
+        else f"{request.memory_budget:.0f} bytes",
+        "optimizer": request.optimizer,
         "param_dtype": request.param_dtype,
         "reduce_dtype": request.reduce_dtype,
         "stage_times_s": {k: round(float(v), 3) for k, v in stage_times_s.items()},

@@ -384,6 +384,28 @@ def _overlaps(plan: Plan) -> list[dict[str, Any]]:
     ]
 
 
+def _memory(plan: Plan) -> dict[str, Any] | None:
+    """``plan.memory`` in bytes per device (see types/memory.py)."""
+    memory = plan.memory
+    if memory is None:
+        return None
+    return {
+        "optimizer": memory.optimizer,
+        "parameters": _num(memory.parameters),
+        "gradients": _num(memory.gradients),
+        "optimizer_state": _num(memory.optimizer_state),
+        "activations": _num(memory.activations),
+        "transient": _num(memory.transient),
+        "peak": _num(memory.peak),
+        "peak_at": memory.peak_at,
+        "budget": _num(memory.budget) if memory.budget is not None else None,
+        "recomputed": list(memory.recomputed),
+        "activations_by_layer": [
+            {"layer": layer, "bytes": _num(value)} for layer, value in memory.activations_by_layer
+        ],
+    }
+
+
 def plan_json(plan: Plan) -> dict[str, Any]:
     """The sections a Plan alone gives: ``mesh``, ``totals``, ``solver``, ``nodes`` (without
     module attribution), ``parameters`` (placements only), ``buckets`` and ``fallbacks``.
@@ -426,6 +448,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "nodes": _nodes(plan, {}),
         "buckets": _buckets(plan),
         "overlaps": _overlaps(plan),
+        "memory": _memory(plan),
         "fallbacks": list(plan.fallbacks),
     }
 
@@ -491,6 +514,7 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
         "layers": _layers(plan, modules),
         "buckets": data["buckets"],
         "overlaps": data["overlaps"],
+        "memory": data["memory"],
         "fallbacks": data["fallbacks"],
         "constraints": {name: c.description for name, c in problem.user_constraints.items()},
     }

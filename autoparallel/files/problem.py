@@ -115,6 +115,7 @@ def save_problem(
             ],
             "shares": list(problem.overlap_shares),
         },
+        "memory": {"optimizer": problem.memory_optimizer, "budget": problem.memory_budget},
     }
     rows = _pack_rows(problem.rows)
     rows.update(
@@ -368,6 +369,9 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
         for record, comm_row in zip(overlap.get("windows", []), comm_rows)
     ]
     problem.overlap_shares = [float(share) for share in overlap.get("shares", [])]
+    memory = meta.get("memory") or {}
+    problem.memory_optimizer = memory.get("optimizer", "adamw")
+    problem.memory_budget = memory.get("budget")
     for record in meta["user_constraints"]:
         rows = [
             Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from autoparallel.report import template as t
+from autoparallel.report.html_memory import memory_section
 from autoparallel.report.template import embed_json, format_bytes, json_safe, placement_html
 from autoparallel.report.text import hardware_lines
 
@@ -56,6 +57,7 @@ def render_html(data: Mapping[str, Any]) -> str:
             _header(data),
             _nav(),
             _totals_section(data),
+            memory_section(data),
             _solver_section(data),
             _parameters_section(data, dims),
             _io_section(data, dims),
@@ -116,6 +118,8 @@ def _header(data: Mapping[str, Any]) -> str:
             facts.append(("global inputs", f"batch {run['batch']} x seq {run.get('seq', '-')}"))
         if run.get("memory_budget") is not None:
             facts.append(("memory budget", run["memory_budget"]))
+        if run.get("parameter_memory") is not None:
+            facts.append(("parameter memory", run["parameter_memory"]))
         if run.get("planning_s") is not None:
             stages = run.get("stage_times_s") or {}
             detail = ", ".join(f"{k} {t.num(v) or 0:.1f} s" for k, v in stages.items())
@@ -138,6 +142,7 @@ def _header(data: Mapping[str, Any]) -> str:
 def _nav() -> str:
     links = [
         ("totals", "totals"),
+        ("memory", "memory"),
         ("solver", "solver"),
         ("parameters", "parameters"),
         ("io", "inputs/outputs"),

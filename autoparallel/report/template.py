@@ -13,7 +13,7 @@ import html
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -201,14 +201,21 @@ def absent(data: Mapping[str, Any], key: str, none_text: str) -> str:
     return empty(none_text)
 
 
-def stacked_bar(parts: Sequence[tuple[str, float]], scale: float, label: str) -> str:
-    """A horizontal bar of ``parts`` (class name, us) whose full width is ``scale`` us."""
+def stacked_bar(
+    parts: Sequence[tuple[str, float]],
+    scale: float,
+    label: str,
+    unit: Callable[[Any], str] | None = None,
+) -> str:
+    """A horizontal bar of ``parts`` (class name, value) whose full width is ``scale``;
+    ``unit`` formats a value in the tooltips (microseconds by default)."""
+    unit = unit or us
     segments = []
     for name, value in parts:
         width = pct(max(value, 0.0), scale)
         if width <= 0:
             continue
-        title = f"{label}: {name} {us(value)}"
+        title = f"{label}: {name.replace('_', ' ')} {unit(value)}"
         segments.append(
             f'<span class="seg {name}" style="width:{width:.3f}%" title="{esc(title)}"></span>'
         )
@@ -244,6 +251,9 @@ nav a{color:#2457a5;text-decoration:none;margin-right:12px;font-size:13px}nav a:
 .legend{font-size:12.5px;color:var(--muted)}
 .key{display:inline-block;width:10px;height:10px;margin:0 4px 0 8px;border-radius:2px;vertical-align:baseline}
 .key.compute{background:var(--compute)}.key.comm{background:var(--comm)}.key.transition{background:var(--transition)}
+.seg.parameters,.key.parameters{background:#3b7dd8}.seg.gradients,.key.gradients{background:#7fb0ec}
+.seg.optimizer_state,.key.optimizer_state{background:#2f8f5b}.seg.activations,.key.activations{background:#e8833a}
+.seg.transient,.key.transient{background:#9aa5b1}.bar.budget{outline:2px dashed #b5432f;outline-offset:-2px}
 table{border-collapse:collapse;margin:4px 0 8px;font-size:13px}
 th,td{border-bottom:1px solid var(--line);padding:3px 10px 3px 4px;text-align:left;vertical-align:top}
 thead th{background:var(--bg);position:sticky;top:30px;white-space:nowrap}

@@ -28,6 +28,7 @@ __all__ = [
     "solver_lines",
     "summary_lines",
     "totals_lines",
+    "memory_lines",
 ]
 
 
@@ -87,6 +88,7 @@ def summary_lines(data: Mapping[str, Any]) -> list[str]:
     lines = _header_lines(data)
     lines += parameter_lines(data)
     lines += totals_lines(data)
+    lines += memory_lines(data)
     lines += _hotspot_lines(data)
     lines += solver_lines(data)
     if data.get("fallbacks"):
@@ -112,6 +114,8 @@ def _header_lines(data: Mapping[str, Any]) -> list[str]:
     ]
     if "memory_budget" in run:  # a plan made by `autoparallel plan` (not a saved problem's JSON)
         lines.append(f"memory budget: {run['memory_budget']}")
+    if "parameter_memory" in run:
+        lines.append(f"parameter memory: {run['parameter_memory']}")
     return lines + hardware_lines(data)
 
 
@@ -203,6 +207,30 @@ def totals_lines(data: Mapping[str, Any]) -> list[str]:
             f"{_fmt_us(comm - hidden)} is exposed"
         )
     return lines + _optimizer_line(t)
+
+
+def memory_lines(data: Mapping[str, Any]) -> list[str]:
+    """The predicted peak memory per device and what it is made of (``plan.memory``)."""
+    m = data.get("memory") or {}
+    if not m:
+        return []
+    budget = m.get("budget")
+    within = "" if budget is None else f" (budget {format_bytes(budget)})"
+    parts = ", ".join(
+        f"{label} {format_bytes(m.get(key) or 0)}"
+        for key, label in (
+            ("parameters", "parameters"),
+            ("gradients", "gradients"),
+            ("optimizer_state", f"{m.get('optimizer', 'optimizer')} state"),
+            ("activations", "activations"),
+            ("transient", "transient"),
+        )
+    )
+    return [
+        f"memory: peak {format_bytes(m.get('peak') or 0)} per device at the "
+        f"{m.get('peak_at', '-')}{within}",
+        f"  {parts}",
+    ]
 
 
 def _optimizer_line(totals: Mapping[str, Any]) -> list[str]:

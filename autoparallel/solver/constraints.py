@@ -55,7 +55,7 @@ def parameter_bytes(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     """(columns, local bytes) of every parameter strategy: per-device parameter memory."""
     columns, values = [], []
     mesh_shape = problem.space.mesh_shape
-    for node in _distinct_param_nodes(problem):
+    for node in distinct_param_nodes(problem):
         value = node.meta["val"]
         itemsize = value.element_size()
         for column, strategy in zip(problem.node_columns[node], problem.space[node].strategies):
@@ -67,7 +67,7 @@ def parameter_bytes(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     return np.array(columns, dtype=np.int64), np.array(values)
 
 
-def _distinct_param_nodes(problem: Problem) -> list[fx.Node]:
+def distinct_param_nodes(problem: Problem) -> list[fx.Node]:
     """One placeholder per parameter tensor: tied names count once in memory."""
     duplicates = {name for group in problem.joint.tied_params for name in group[1:]}
     return [node for name, node in problem.joint.params.items() if name not in duplicates]
@@ -77,7 +77,7 @@ def parameter_memory_range(problem: Problem) -> tuple[float, float, float]:
     """(fully replicated, smallest achievable, 1/world-size) per-device parameter bytes."""
     columns, values = parameter_bytes(problem)
     replicated = smallest = 0.0
-    for node in _distinct_param_nodes(problem):
+    for node in distinct_param_nodes(problem):
         node_values = values[np.isin(columns, problem.node_columns[node])]
         replicated += float(node_values.max()) if len(node_values) else 0.0
         smallest += float(node_values.min()) if len(node_values) else 0.0
@@ -116,7 +116,7 @@ def _smallest_memory_rows(problem: Problem, columns: np.ndarray, values: np.ndar
     its own minimum. Saying so per parameter is the same constraint, but it spares the
     solver a knapsack row whose LP relaxation is weak (a 3-D mesh otherwise times out)."""
     rows = []
-    for node in _distinct_param_nodes(problem):
+    for node in distinct_param_nodes(problem):
         mask = np.isin(columns, problem.node_columns[node])
         node_values = values[mask]
         wasteful = columns[mask][node_values > node_values.min() * (1 + 1e-9)]

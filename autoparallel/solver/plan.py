@@ -7,6 +7,7 @@ compared.
 
 from __future__ import annotations
 
+from autoparallel.solver.memory import estimate_memory
 from autoparallel.solver.overlap import window_times
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, Placements
@@ -134,6 +135,7 @@ def build_plan(
         buckets=buckets,
         overlaps=overlaps,
         priced_on=tables.topology.hardware.name,
+        memory=estimate_memory(problem, choice, problem.memory_budget),
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from autoparallel.types.memory import MemoryEstimate
 from autoparallel.types.placements import OutputPlacements, Placements
 from autoparallel.types.strategies import Strategy
 
@@ -146,6 +147,8 @@ class Plan:
     overlaps: list[OverlapCost] = field(default_factory=list)
     # the Hardware's name the prices come from (a preset, or the profile's name)
     priced_on: str = ""
+    # predicted bytes per device of a training step (solver/memory.py)
+    memory: MemoryEstimate | None = None
 
     def redistributions(self) -> list[tuple[str, ArgumentCost]]:
         """Every (consumer node name, argument) where a collective or local reshard happens."""

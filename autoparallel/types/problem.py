@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from autoparallel.types.costs import CostTables
 from autoparallel.types.graph import JointGraph
+from autoparallel.types.memory import MemoryModel
 from autoparallel.types.strategies import StrategySpace
 
 MIB = float(1 << 20)
@@ -136,6 +137,11 @@ class Problem:
     overlap_windows: list[OverlapWindow] = field(default_factory=list)
     overlap_shares: list[float] = field(default_factory=list)
     overlap_fraction: float = 0.0
+    # bytes per device of a step (solver/memory.py), built on first use for
+    # ``memory_optimizer``'s state; the memory constraint's budget once one is added
+    memory: MemoryModel | None = None
+    memory_optimizer: str | float = "adamw"
+    memory_budget: float | None = None
     # (edge, pair) -> objective saving of each bucket member, indexed by set_buckets
     _savings: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
     _shares: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)

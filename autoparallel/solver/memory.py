@@ -1,0 +1,369 @@
+"""The memory model: per-device bytes of a training step, linear in the plan's choices.
+
+Every component is a sum over nodes of bytes that depend on that node's strategy alone
+(``NodeBytes``), except the parameter gathers, which depend on the move an edge makes
+(``MoveBytes``). So each moment of the step is one linear row over the problem's columns,
+and "the peak stays within the budget" is a handful of rows (one per moment and pair of
+gather groups; folded layers give identical rows, kept once).
+
+What is counted, per device (see ``types/memory.py`` for the two moments):
+
+* parameters: each distinct parameter (tied names once) at its local size;
+* gradients: each trained parameter's gradient, at the parameter's placement and the
+  gradient's dtype (``zero_grad(set_to_none=True)`` before the forward frees them, so they
+  exist only from the backward to the next step);
+* optimizer state: ``OptimizerState`` per trained parameter, sharded as the parameter;
+* activations: the forward values (and input tensors) the backward reads, at their
+  producer's placement (what the runtime saves, ``runtime/executor.py``), except parameters
+  and their casts and views (the backward gathers them again) and views of another saved
+  value (same storage);
+* saved gathers: a parameter read the backward needs (a transposed weight, say) that the
+  forward redistributed is saved as that copy, an activation until the backward
+  (``MoveBytes`` on the edges into it);
+* gathered parameters: a parameter read (or its cast) whose consumer wants another placement
+  holds the redistributed copy while its group computes; the runtime keeps the group outside
+  numbered layers for the whole forward, and one layer ahead of the computing one.
+
+Not counted: the gradient buckets' flat buffers (at most twice ``BUCKET_CAP_BYTES``),
+the unreduced (Partial) gradient of the op that computes it, intermediate values of the
+forward and backward that are freed within the phase, and the allocator's fragmentation.
+``benchmarks/memory_fidelity.py`` measures each component against the prediction.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autoparallel.solver.constraints import distinct_param_nodes
+from autoparallel.trace.view_ops import is_view_node, parameter_views
+from autoparallel.types.graph import layer_of
+from autoparallel.types.memory import (
+    GatherGroup,
+    MemoryEstimate,
+    MemoryModel,
+    MoveBytes,
+    NodeBytes,
+    optimizer_state,
+)
+from autoparallel.types.placements import is_multi
+from autoparallel.types.problem import MIB, Problem, Row, UserConstraint
+from autoparallel.types.tensors import local_shape
+
+NON_LAYER = "the non-layer parameters"
+
+
+def memory_model(problem: Problem) -> MemoryModel:
+    """The problem's memory model, built on first use for ``problem.memory_optimizer``."""
+    if problem.memory is None:
+        problem.memory = build_memory_model(problem, problem.memory_optimizer)
+    return problem.memory
+
+
+def build_memory_model(problem: Problem, optimizer: str | float) -> MemoryModel:
+    state = optimizer_state(optimizer)
+    mesh_shape = problem.space.mesh_shape
+    parameters, gradients, states, temporaries = [], [], [], []
+    names = problem.joint.param_name_of()
+    for node in distinct_param_nodes(problem):
+        local = _strategy_bytes(problem, node, mesh_shape)
+        parameters.append(NodeBytes(node, local))
+        grad = problem.joint.param_grads.get(names[node])
+        if grad is None:
+            continue  # frozen: no gradient, no optimizer state
+        value = node.meta["val"]
+        numel = local / value.element_size()
+        grad_itemsize = _itemsize(grad, value.element_size())
+        gradients.append(NodeBytes(node, numel * grad_itemsize))
+        states.append(
+            NodeBytes(node, np.array([state.state_bytes(n, value.element_size()) for n in numel]))
+        )
+        temporaries.append(NodeBytes(node, local * state.step_temporaries))
+    activations, layers = _activations(problem, mesh_shape)
+    saved_gathers = _saved_gathers(problem)
+    return MemoryModel(
+        optimizer=state,
+        parameters=tuple(parameters),
+        gradients=tuple(gradients),
+        optimizer_state=tuple(states),
+        step_temporaries=tuple(temporaries),
+        activations=tuple(activations),
+        activation_layers=tuple(layers),
+        saved_gathers=tuple(saved_gathers),
+        gather_groups=tuple(_gather_groups(problem, {m.edge for m in saved_gathers})),
+    )
+
+
+# ---------------------------------------------------------------------------- the constraint
+
+
+def memory_constraint_of(
+    problem: Problem, model: MemoryModel, name: str, budget: float
+) -> UserConstraint:
+    """Every moment of the step within ``budget`` bytes per device under ``model``.
+    Raises ValueError for a budget that is not positive."""
+    if not budget > 0:
+        raise ValueError(f"memory budget must be a positive number of bytes, got {budget}")
+    rows = []
+    seen: set[tuple[bytes, bytes]] = set()
+    for parts in _moments(model):
+        row = _row(problem, parts, budget)
+        key = (row.columns.tobytes(), row.values.tobytes())
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+    smallest = smallest_peak(model)
+    description = (
+        f"peak memory per device <= {_gib(budget)} with {model.optimizer.name} "
+        f"(the smallest peak any plan can reach is at least {_gib(smallest)})"
+    )
+    return UserConstraint(name, description, rows)
+
+
+def smallest_peak(model: MemoryModel) -> float:
+    """A lower bound on the peak of any plan: every node at its smallest strategy, no gather."""
+    smallest = {id(part): float(part.per_strategy.min()) for part in _all_parts(model)}
+    start = sum(smallest[id(p)] for p in model.parameters + model.optimizer_state)
+    backward = start + sum(smallest[id(p)] for p in model.activations)
+    step = start + sum(smallest[id(p)] for p in model.gradients + model.step_temporaries)
+    return max(backward, step)
+
+
+def _moments(model: MemoryModel) -> list[list[NodeBytes | MoveBytes]]:
+    """The terms of each moment that can be the peak (see MemoryModel)."""
+    resident = list(model.parameters + model.optimizer_state)
+    step = resident + list(model.gradients + model.step_temporaries)
+    backward = resident + list(model.activations) + list(model.saved_gathers)
+    return [step] + [backward + list(gathers) for gathers in _alive_gathers(model)]
+
+
+def _alive_gathers(model: MemoryModel) -> list[tuple[MoveBytes, ...]]:
+    """The gathers alive together: the non-layer group, with each layer and the next."""
+    rest = tuple(m for g in model.gather_groups if g.label == NON_LAYER for m in g.moves)
+    layers = [g.moves for g in model.gather_groups if g.label != NON_LAYER]
+    if len(layers) < 2:
+        return [rest + tuple(m for moves in layers for m in moves)]
+    return [rest + a + b for a, b in zip(layers, layers[1:])]
+
+
+def _row(problem: Problem, parts: Sequence[NodeBytes | MoveBytes], budget: float) -> Row:
+    columns, values = [], []
+    for part in parts:
+        if isinstance(part, NodeBytes):
+            columns.append(problem.node_columns[part.node])
+            values.append(part.per_strategy)
+            continue
+        moves = problem.edge_moves(part.edge)
+        producer = problem.tables.edges[part.edge].producer.meta["val"]
+        mesh_shape = problem.space.mesh_shape
+        columns.append(np.array([m.column for m in moves], dtype=np.int64))
+        values.append(
+            np.array(
+                [
+                    0.0 if m.src == m.dst else _value_bytes(producer, m.dst, mesh_shape)
+                    for m in moves
+                ]
+            )
+        )
+    row = Row(np.concatenate(columns), np.concatenate(values) / MIB, -np.inf, budget / MIB)
+    merged = row.merged()
+    keep = merged.values != 0.0
+    return Row(merged.columns[keep], merged.values[keep], -np.inf, budget / MIB)
+
+
+# ---------------------------------------------------------------------------- the estimate
+
+
+def estimate_memory(
+    problem: Problem, choice: dict[fx.Node, int], budget: float | None = None
+) -> MemoryEstimate:
+    """The bytes per device of each component under ``choice`` (``plan.memory``)."""
+    model = memory_model(problem)
+
+    def total(parts: Sequence[NodeBytes]) -> float:
+        return float(sum(part.per_strategy[choice[part.node]] for part in parts))
+
+    parameters, gradients = total(model.parameters), total(model.gradients)
+    states, temporaries = total(model.optimizer_state), total(model.step_temporaries)
+    kept = [_gathered_bytes(problem, move, choice) for move in model.saved_gathers]
+    activations = total(model.activations) + sum(kept)
+    gathered = max(
+        (
+            sum(_gathered_bytes(problem, m, choice) for m in alive)
+            for alive in _alive_gathers(model)
+        ),
+        default=0.0,
+    )
+    at_backward = parameters + states + activations + gathered
+    at_step = parameters + gradients + states + temporaries
+    by_layer: dict[str, float] = {}
+    for part, layer in zip(model.activations, model.activation_layers):
+        by_layer[layer] = by_layer.get(layer, 0.0) + float(part.per_strategy[choice[part.node]])
+    readers = parameter_views(problem.joint)
+    for move, value in zip(model.saved_gathers, kept):
+        name = readers.get(problem.tables.edges[move.edge].producer, "")
+        layer = layer_of(name).removesuffix(".") or NON_LAYER
+        by_layer[layer] = by_layer.get(layer, 0.0) + value
+    backward_peak = at_backward >= at_step
+    return MemoryEstimate(
+        optimizer=model.optimizer.name,
+        parameters=parameters,
+        gradients=gradients,
+        optimizer_state=states,
+        activations=activations,
+        transient=gathered if backward_peak else temporaries,
+        peak=max(at_backward, at_step),
+        peak_at="start of the backward" if backward_peak else "optimizer step",
+        budget=budget,
+        activations_by_layer=tuple(by_layer.items()),
+    )
+
+
+def _gathered_bytes(problem: Problem, move: MoveBytes, choice: dict[fx.Node, int]) -> float:
+    edge = problem.tables.edges[move.edge]
+    src, dst = problem.chosen_pair(move.edge, choice)
+    if edge.src_options[src] == edge.dst_options[dst]:
+        return 0.0
+    return _value_bytes(edge.producer.meta["val"], edge.dst_options[dst], problem.space.mesh_shape)
+
+
+# ---------------------------------------------------------------------------- the parts
+
+
+def _activations(
+    problem: Problem, mesh_shape: tuple[int, ...]
+) -> tuple[list[NodeBytes], list[str]]:
+    """The storages the saved values keep alive (see the module doc), one part each, and the
+    layer each one belongs to: the last numbered layer whose parameters the forward read
+    before it.
+
+    A saved view keeps its base's whole storage: values are grouped by the node whose
+    storage they view (through view ops and the items of a splitting view), which is
+    counted once at its own size, whether or not it is saved itself."""
+    joint = problem.joint
+    readers = parameter_views(joint)
+    inputs = set(joint.user_inputs)
+    saved = {
+        producer
+        for node in joint.graph.nodes
+        if node.op == "call_function" and node not in joint.forward_nodes
+        for producer in node.all_input_nodes
+        if (producer in joint.forward_nodes and producer.op == "call_function")
+        or producer in inputs
+    }
+    layer_at: dict[fx.Node, str] = {node: NON_LAYER for node in joint.user_inputs}
+    layer = NON_LAYER
+    for node in joint.graph.nodes:
+        if node in joint.forward_nodes and node.op == "call_function":
+            read = [layer_of(readers[a]) for a in node.all_input_nodes if a in readers]
+            layer = next((name.removesuffix(".") for name in read if name), layer)
+            layer_at[node] = layer
+    roots: dict[fx.Node, None] = {}  # ordered set
+    for node in layer_at:
+        if node in saved:
+            root = _storage_root(node)
+            if root not in readers and root in problem.space.nodes:
+                roots[root] = None
+    parts = [NodeBytes(root, _strategy_bytes(problem, root, mesh_shape)) for root in roots]
+    return parts, [layer_at.get(root, NON_LAYER) for root in roots]
+
+
+def _saved_gathers(problem: Problem) -> list[MoveBytes]:
+    """The moves into the saved parameter reads (a parameter, its cast, views of those):
+    where one changes placement, the saved value is the redistributed copy (a transposed
+    weight gathered in the forward, say), alive until the backward; where none does, it is
+    the parameter's own storage."""
+    joint = problem.joint
+    readers = parameter_views(joint)
+    saved = {
+        producer
+        for node in joint.graph.nodes
+        if node.op == "call_function" and node not in joint.forward_nodes
+        for producer in node.all_input_nodes
+        if producer in readers and producer.op == "call_function"
+    }
+    chain: set[fx.Node] = set()  # the saved reads and the reads they view
+    for node in saved:
+        while node in readers and node not in chain:
+            chain.add(node)
+            node = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    return [
+        MoveBytes(index)
+        for index, edge in enumerate(problem.tables.edges)
+        if edge.kind == "arg" and edge.consumer in chain and edge.producer in readers
+    ]
+
+
+def _storage_root(node: fx.Node) -> fx.Node:
+    """The node whose output's storage ``node``'s output is (itself unless a view)."""
+    while True:
+        base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if base is None:
+            return node
+        if is_view_node(node) or (node.target is operator.getitem and is_view_node(base)):
+            node = base
+            continue
+        return node
+
+
+def _gather_groups(problem: Problem, saved: set[int]) -> list[GatherGroup]:
+    """The forward's parameter reads by the group the runtime gathers them in, in order of
+    first read; the moves in ``saved`` (kept for the backward: activations) left out."""
+    joint = problem.joint
+    readers = parameter_views(joint)
+    groups: dict[str, list[MoveBytes]] = {}
+    for index, edge in enumerate(problem.tables.edges):
+        if edge.kind != "arg" or edge.consumer not in joint.forward_nodes:
+            continue
+        if edge.producer not in readers or index in saved:
+            continue
+        label = layer_of(readers[edge.producer]).removesuffix(".") or NON_LAYER
+        groups.setdefault(label, []).append(MoveBytes(index))
+    return [GatherGroup(label, tuple(moves)) for label, moves in groups.items()]
+
+
+def _strategy_bytes(problem: Problem, node: fx.Node, mesh_shape: tuple[int, ...]) -> np.ndarray:
+    value = node.meta.get("val")
+    return np.array(
+        [_value_bytes(value, s.output, mesh_shape) for s in problem.space[node].strategies]
+    )
+
+
+def _value_bytes(value: object, placements: object, mesh_shape: tuple[int, ...]) -> float:
+    """Local bytes of ``value`` (a tensor or a tuple of them) under ``placements``."""
+    if isinstance(value, torch.Tensor):
+        if is_multi(placements):
+            placements = placements[0]
+        if placements is None:
+            return 0.0
+        shape = local_shape(value.shape, placements, mesh_shape)
+        return float(math.prod(shape) * value.element_size())
+    if isinstance(value, (tuple, list)) and is_multi(placements):
+        return sum(
+            _value_bytes(item, p, mesh_shape) for item, p in zip(value, placements) if p is not None
+        )
+    return 0.0
+
+
+def _itemsize(node: fx.Node, default: int) -> int:
+    value = node.meta.get("val")
+    return value.element_size() if isinstance(value, torch.Tensor) else default
+
+
+def _all_parts(model: MemoryModel) -> tuple[NodeBytes, ...]:
+    return (
+        model.parameters
+        + model.gradients
+        + model.optimizer_state
+        + model.step_temporaries
+        + model.activations
+    )
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.3f} GiB" if value >= 2**28 else f"{value / MIB:.2f} MiB"

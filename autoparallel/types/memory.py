@@ -1,0 +1,135 @@
+"""Memory per device as data: the optimizer's state rule, the linear model, the plan's estimate.
+
+``solver/memory.py`` builds a :class:`MemoryModel` from a Problem (which bytes each strategy
+and each move costs); the memory constraint turns it into rows and ``solver/plan.py``
+evaluates it for the chosen strategies into a :class:`MemoryEstimate` (``plan.memory``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch.fx as fx
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What an optimizer keeps per parameter element, as torch's own optimizers allocate it.
+
+    ``state_elements`` tensors of the parameter's shape, dtype and placement (AdamW: the two
+    moments; SGD with momentum: the buffer), unless ``bytes_per_element`` (given by the user
+    for another optimizer) says how many bytes each parameter element costs.
+    ``step_temporaries`` is how many parameter-sized tensors the (foreach) step allocates and
+    frees again: AdamW's square root of the second moment.
+    """
+
+    name: str
+    state_elements: int = 0
+    step_temporaries: int = 0
+    bytes_per_element: float | None = None
+
+    def state_bytes(self, numel: int, itemsize: int) -> float:
+        if self.bytes_per_element is not None:
+            return float(numel * self.bytes_per_element)
+        return float(numel * itemsize * self.state_elements)
+
+
+def optimizer_state(optimizer: str | float) -> OptimizerState:
+    """The state rule of ``optimizer``: a name in :data:`OPTIMIZERS` or bytes per parameter
+    element. Raises ValueError for anything else."""
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        if optimizer < 0:
+            raise ValueError(f"optimizer state bytes per parameter must be >= 0, got {optimizer}")
+        return OptimizerState(f"{optimizer:g} B per parameter", bytes_per_element=float(optimizer))
+    rules = {
+        "adamw": OptimizerState("adamw", state_elements=2, step_temporaries=1),
+        "adam": OptimizerState("adam", state_elements=2, step_temporaries=1),
+        "sgd": OptimizerState("sgd"),
+        "sgd-momentum": OptimizerState("sgd-momentum", state_elements=1),
+    }
+    if optimizer not in rules:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}: give one of {', '.join(OPTIMIZERS)}, "
+            "or the optimizer state's bytes per parameter element as a number"
+        )
+    return rules[optimizer]
+
+
+@dataclass(frozen=True)
+class NodeBytes:
+    """Bytes per device that depend on one node's strategy: ``per_strategy[s]`` under its
+    strategy ``s``."""
+
+    node: fx.Node
+    per_strategy: np.ndarray
+
+
+@dataclass(frozen=True)
+class MoveBytes:
+    """Bytes per device a move on edge ``edge`` holds while it lives: the redistributed
+    value's local size where the chosen pair changes placements (a parameter gather)."""
+
+    edge: int
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    """Parameters the runtime gathers together (one numbered layer, or the rest), with the
+    moves that gather them in the forward."""
+
+    label: str
+    moves: tuple[MoveBytes, ...]
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The per-device bytes of a training step, linear in the strategies (solver/memory.py).
+
+    The peak is the larger of two moments:
+
+    * **start of the backward**: parameters + optimizer state + every saved activation
+      (with the redistributed parameter reads saved, ``saved_gathers``) + the parameter
+      gathers alive then (two groups: one computing, one prefetched);
+    * **optimizer step**: parameters + gradients + optimizer state + the step's temporaries.
+    """
+
+    optimizer: OptimizerState
+    parameters: tuple[NodeBytes, ...]
+    gradients: tuple[NodeBytes, ...]
+    optimizer_state: tuple[NodeBytes, ...]
+    step_temporaries: tuple[NodeBytes, ...]
+    activations: tuple[NodeBytes, ...]
+    activation_layers: tuple[str, ...]  # activations[i] is saved by that layer
+    saved_gathers: tuple[MoveBytes, ...]  # redistributed parameter reads the backward reads
+    gather_groups: tuple[GatherGroup, ...]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes per device of one training step under a plan (``plan.memory``).
+
+    ``transient`` is what lives only around the peak (gathered parameters, the optimizer
+    step's temporaries); ``peak`` = the components alive at ``peak_at`` (see
+    :class:`MemoryModel`). ``budget`` is the memory constraint's, None without one.
+    ``recomputed`` names what activation checkpointing recomputes (none yet).
+    ``activations_by_layer`` splits ``activations`` by the layer that saves them.
+    """
+
+    optimizer: str
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+    transient: float
+    peak: float
+    peak_at: str
+    budget: float | None = None
+    recomputed: tuple[str, ...] = ()
+    activations_by_layer: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.peak <= self.budget

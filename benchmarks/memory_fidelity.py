@@ -1,0 +1,197 @@
+"""Predicted vs measured memory per device of our plans, component by component.
+
+    python benchmarks/memory_fidelity.py [--models mlp llama-tiny] [--nproc 2]
+        [--recipes free ddp fsdp tp budget]
+
+For every model, one set of gloo ranks plans it once per recipe (``benchmarks/workloads.py``;
+``budget`` is the free plan under a peak budget of 60 % of the free plan's predicted peak),
+trains one AdamW step, and measures on each rank, from the tensors themselves:
+
+* ``parameters``: the bytes of the parameters' local storages (tied ones once);
+* ``gradients``: the bytes of the local ``param.grad`` after the backward;
+* ``optimizer_state``: the bytes of the optimizer's state tensors after the step (AdamW's
+  two moments; its per-parameter ``step`` counters are a few bytes);
+* ``activations``: the bytes of every distinct storage the forward saves for the backward
+  (``torch.autograd.graph.saved_tensors_hooks`` around the parallel module's forward; the
+  parameters' own storages left out, the loss outside the module not counted).
+
+It prints one table per model with the plan's prediction (``plan.memory``) beside the
+largest rank's measurement and the relative error, and one JSON line per model. The
+predicted ``peak`` has no measurement on CPU (no allocator statistics); on a CUDA machine,
+``torch.cuda.max_memory_allocated`` is the figure to put beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workloads import WORKLOADS, local_rows, loss_of, make_optimizer, plan_ours
+
+from autoparallel._testing.harness import run_distributed
+
+COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
+RECIPES = ("free", "ddp", "fsdp", "tp", "budget")
+BUDGET_SHARE = 0.6
+"""The ``budget`` recipe's peak budget, as a share of the free plan's predicted peak."""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _storage_bytes(tensors: list[torch.Tensor], skip: set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages of ``tensors``, leaving out the storages in ``skip``."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = _local(tensor).untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def measure_memory(model: torch.nn.Module, inputs: Any, targets: Any, scale: float) -> dict:
+    """One AdamW step of ``model``; the bytes of each component on this rank (module doc)."""
+    optimizer = make_optimizer(model)
+    params = list(model.parameters())
+    param_storages = {_local(p).untyped_storage().data_ptr() for p in params}
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = model(inputs)
+    activations = _storage_bytes(saved, param_storages)
+    saved.clear()
+    (loss_of(output, targets) * scale).backward()
+    gradients = _storage_bytes([p.grad for p in params if p.grad is not None])
+    optimizer.step()
+    states = [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    ]
+    return {
+        "parameters": _storage_bytes(params),
+        "gradients": gradients,
+        "optimizer_state": _storage_bytes(states),
+        "activations": activations,
+    }
+
+
+def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.dup2(2, 1)  # keep the parent's stdout for the report (HiGHS prints a banner)
+    mesh = init_device_mesh("cpu", (world_size,))
+    workload = WORKLOADS[model_name]
+    inputs, targets = workload.global_batch()
+    # a rank owns its rows only (a slice would keep the whole batch's storage alive)
+    inputs = local_rows(inputs, rank, world_size).clone()
+    targets = local_rows(targets, rank, world_size)
+    results: dict[str, dict] = {}
+    free_peak = None
+    for recipe in recipes:
+        torch.manual_seed(0)
+        try:
+            budget = None
+            if recipe == "budget":
+                if free_peak is None:
+                    free_peak = plan_ours(workload, mesh).plan.memory.peak
+                budget = BUDGET_SHARE * free_peak
+            planned = plan_ours(
+                workload,
+                mesh,
+                recipe="free" if recipe == "budget" else recipe,
+                memory_budget=budget,
+            )
+        except Exception as exc:  # one failing recipe must not hide the others' figures
+            traceback.print_exc()
+            results[recipe] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
+        memory = planned.plan.memory
+        if recipe == "free":
+            free_peak = memory.peak
+        measured = measure_memory(planned.module, inputs, targets, 1.0 / world_size)
+        largest = torch.tensor([measured[c] for c in COMPONENTS], dtype=torch.float64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        results[recipe] = {
+            "status": "ok",
+            "placements": sorted({str(p) for p in planned.plan.param_placements.values()}),
+            "predicted": {c: getattr(memory, c) for c in COMPONENTS}
+            | {"peak": memory.peak, "budget": memory.budget},
+            "measured": dict(zip(COMPONENTS, largest.tolist())),
+        }
+    return results
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:9.3f}"
+
+
+def _table(model: str, nproc: int, results: dict[str, dict]) -> list[str]:
+    lines = [
+        f"{model}, {nproc} gloo ranks (MiB per device; measured: the largest rank)",
+        f"{'recipe':<8} {'component':<16} {'predicted':>10} {'measured':>10} {'error':>8}",
+    ]
+    for recipe, result in results.items():
+        if result["status"] != "ok":
+            lines.append(f"{recipe:<8} error: {result['error']}")
+            continue
+        for component in COMPONENTS:
+            predicted = result["predicted"][component]
+            measured = result["measured"][component]
+            error = f"{100 * (predicted - measured) / measured:+7.1f}%" if measured else "      -"
+            lines.append(
+                f"{recipe:<8} {component:<16} {_mib(predicted):>10} {_mib(measured):>10} {error:>8}"
+            )
+        peak, budget = result["predicted"]["peak"], result["predicted"]["budget"]
+        within = "" if budget is None else f" (budget {_mib(budget).strip()})"
+        lines.append(f"{recipe:<8} {'peak':<16} {_mib(peak):>10} {'-':>10}{within}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(WORKLOADS), default=["mlp", "llama-tiny"]
+    )
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    failed = False
+    for model in args.models:
+        try:
+            results = run_distributed(
+                memory_rank, args.nproc, model, args.recipes, timeout_s=args.timeout
+            )[0]
+        except RuntimeError as exc:
+            print(f"[{model}] failed:\n{exc}", file=sys.stderr)
+            failed = True
+            continue
+        failed |= any(r["status"] != "ok" for r in results.values())
+        print(json.dumps({"model": model, "nproc": args.nproc, "results": results}), flush=True)
+        print("\n".join(_table(model, args.nproc, results)), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
