@@ -3,13 +3,20 @@
 from autoparallel.api import AutoParallel, auto_parallel
 from autoparallel.cost.hardware import HARDWARE_PRESETS, Hardware
 from autoparallel.cost.topology import Topology
-from autoparallel.runtime import InputMismatchError, StepTiming, measure_step
+from autoparallel.runtime import (
+    InputMismatchError,
+    MeasuredMemory,
+    StepTiming,
+    measure_memory,
+    measure_step,
+)
 from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError
 from autoparallel.runtime.init import InitError, full_value_init
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.trace.errors import TraceError
 from autoparallel.trace.sharding_constraint import with_sharding_constraint
+from autoparallel.types.memory import MemoryEstimate
 from autoparallel.types.plan import Plan
 
 __all__ = [
@@ -20,10 +27,13 @@ __all__ = [
     "InputMismatchError",
     "measure_step",
     "StepTiming",
+    "measure_memory",
+    "MeasuredMemory",
     "DynamicShapeError",
     "InitError",
     "full_value_init",
     "Plan",
+    "MemoryEstimate",
     "InfeasibleConstraintsError",
     "TraceError",
     "Hardware",

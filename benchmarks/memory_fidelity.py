@@ -5,15 +5,9 @@
 
 For every model, one set of gloo ranks plans it once per recipe (``benchmarks/workloads.py``;
 ``budget`` is the free plan under a peak budget of 60 % of the free plan's predicted peak),
-trains one AdamW step, and measures on each rank, from the tensors themselves:
-
-* ``parameters``: the bytes of the parameters' local storages (tied ones once);
-* ``gradients``: the bytes of the local ``param.grad`` after the backward;
-* ``optimizer_state``: the bytes of the optimizer's state tensors after the step (AdamW's
-  two moments; its per-parameter ``step`` counters are a few bytes);
-* ``activations``: the bytes of every distinct storage the forward saves for the backward
-  (``torch.autograd.graph.saved_tensors_hooks`` around the parallel module's forward; the
-  parameters' own storages left out, the loss outside the module not counted).
+trains one AdamW step, and measures on each rank, from the tensors themselves
+(:func:`autoparallel.measure_memory`), the bytes of the parameters, the gradients, the
+optimizer state and the activations the forward saves for the backward.
 
 It prints one table per model with the plan's prediction (``plan.memory``) beside the
 largest rank's measurement and the relative error, and one JSON line per model. The
@@ -29,7 +23,6 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,58 +33,13 @@ if __package__ in (None, ""):  # run as a script from a checkout
 
 from workloads import WORKLOADS, local_rows, loss_of, make_optimizer, plan_ours
 
+from autoparallel import measure_memory
 from autoparallel._testing.harness import run_distributed
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
 RECIPES = ("free", "ddp", "fsdp", "tp", "budget")
 BUDGET_SHARE = 0.6
 """The ``budget`` recipe's peak budget, as a share of the free plan's predicted peak."""
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _storage_bytes(tensors: list[torch.Tensor], skip: set[int] = frozenset()) -> int:
-    """Bytes of the distinct storages of ``tensors``, leaving out the storages in ``skip``."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def measure_memory(model: torch.nn.Module, inputs: Any, targets: Any, scale: float) -> dict:
-    """One AdamW step of ``model``; the bytes of each component on this rank (module doc)."""
-    optimizer = make_optimizer(model)
-    params = list(model.parameters())
-    param_storages = {_local(p).untyped_storage().data_ptr() for p in params}
-    saved: list[torch.Tensor] = []
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output = model(inputs)
-    activations = _storage_bytes(saved, param_storages)
-    saved.clear()
-    (loss_of(output, targets) * scale).backward()
-    gradients = _storage_bytes([p.grad for p in params if p.grad is not None])
-    optimizer.step()
-    states = [
-        value
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor) and value.dim() > 0
-    ]
-    return {
-        "parameters": _storage_bytes(params),
-        "gradients": gradients,
-        "optimizer_state": _storage_bytes(states),
-        "activations": activations,
-    }
 
 
 def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str]) -> dict:
@@ -127,8 +75,13 @@ def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str])
         memory = planned.plan.memory
         if recipe == "free":
             free_peak = memory.peak
-        measured = measure_memory(planned.module, inputs, targets, 1.0 / world_size)
-        largest = torch.tensor([measured[c] for c in COMPONENTS], dtype=torch.float64)
+        measured = measure_memory(
+            planned.module,
+            make_optimizer(planned.module),
+            inputs,
+            lambda output: loss_of(output, targets) / world_size,
+        )
+        largest = torch.tensor([getattr(measured, c) for c in COMPONENTS], dtype=torch.float64)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         results[recipe] = {
             "status": "ok",

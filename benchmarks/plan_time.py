@@ -87,6 +87,13 @@ def main() -> None:
     parser.add_argument(
         "--build-only", action="store_true", help="stop before solving (stage times and sizes only)"
     )
+    parser.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        help="GiB per device for the whole step's peak (AdamW), instead of the parameter "
+        "memory constraint",
+    )
     args = parser.parse_args()
 
     shape = tuple(int(s) for s in args.mesh.split("x"))
@@ -110,7 +117,10 @@ def main() -> None:
     ) as autop:
         autop.add_input_constraints([batch_sharded])
         autop.add_output_constraints([batch_sharded])
-        autop.add_parameter_memory_constraint()
+        if args.memory_budget is None:
+            autop.add_parameter_memory_constraint()
+        else:
+            autop.add_memory_constraint(args.memory_budget * 2**30)
         if args.no_lp_first:
             optimizer = autop.sharding_optimizer
             optimizer.options = dataclasses.replace(optimizer.options, lp_first=False)
@@ -149,6 +159,11 @@ def main() -> None:
                 "objective_us": round(plan.solver.objective, 2) if plan else None,
                 "solver_status": plan.solver.status if plan else "not solved (--build-only)",
                 "solved_by": plan.solver.method if plan else None,
+                "memory_budget_gib": args.memory_budget,
+                "predicted_peak_gib": round(plan.memory.peak / 2**30, 3) if plan else None,
+                "param_placements": sorted({str(p) for p in plan.param_placements.values()})
+                if plan
+                else None,
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             }
         )

@@ -235,6 +235,30 @@ class _Records(logging.Handler):
         self.records.append(record.getMessage())
 
 
+def memory_matches_plan(rank: int, world_size: int, kind: str) -> dict[str, Any]:
+    """plan.memory of the LLaMA planned as ``kind`` beside what one AdamW step of the
+    parallel module holds on this rank (autoparallel.measure_memory)."""
+    from autoparallel import measure_memory
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    plan, parallel = _plan_and_apply("llama", mesh, kind)
+    parallel.to_empty(device="cpu")
+    parallel.init_weights(seed=0)
+    rows = _local_rows(global_batches("llama")[0], mesh).clone()  # this rank's rows only
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=1e-3)
+    measured = measure_memory(
+        parallel, optimizer, rows, lambda out: out.float().pow(2).mean(), plan
+    )
+    return {
+        "placements": sorted({str(p) for p in plan.param_placements.values()}),
+        "predicted": measured.predicted,
+        "measured": {
+            name: getattr(measured, name)
+            for name in ("parameters", "gradients", "optimizer_state", "activations")
+        },
+    }
+
+
 def inference_and_state(rank: int, world_size: int) -> dict[str, Any]:
     """no_grad forward, load_state_dict of full tensors, DCP round trip, input checks."""
     import torch.distributed.checkpoint as dcp

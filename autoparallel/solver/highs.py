@@ -13,6 +13,13 @@ LLaMA-3 8B (8, 8) this halves the solve (no MIP presolve, heuristics or root nod
 ``SolverOptions(lp_first=False)`` goes straight to the MIP, and so do problems under
 ``lp_first_min_variables`` (where the MIP is quick anyway). Both paths find an optimum of the
 same problem; among equally priced plans they may pick different ones.
+
+Relax and fix: a knapsack row (a memory budget that binds) leaves the relaxation fractional
+in a few nodes only. Branch and bound over the whole problem then takes minutes on an 8B
+model, so the nodes the relaxation chose integrally are fixed to that choice and the MIP
+runs over the rest (seconds). Its plan is accepted when it is within ``fix_gap`` of the
+relaxation's objective, a lower bound on every plan's (``plan.solver.gap`` says how far);
+otherwise the full MIP runs, starting from it.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ class SolverOptions:
             costs little there, and small plans keep the MIP's choice among equal optima.
         integrality_tolerance: ``|x - round(x)|`` below this on every integer column counts
             as integral (HiGHS's own ``mip_feasibility_tolerance`` is 1e-6).
+        fix_gap: a fractional relaxation's relax-and-fix plan is accepted within this
+            relative distance of the relaxation's objective (see the module docstring);
+            0 always runs the full MIP after it.
     """
 
     time_limit_s: float = 300.0
@@ -65,6 +75,19 @@ class SolverOptions:
     lp_first: bool = True
     lp_first_min_variables: int = 50_000
     integrality_tolerance: float = 1e-6
+    fix_gap: float = 0.01
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How a solve ended: the Highs holding the solution, its status, the seconds it took,
+    the method ("lp", "lp+fix" or "mip") and the lower bound on the objective."""
+
+    highs: highspy.Highs
+    status: str
+    elapsed_s: float
+    method: str
+    bound: float | None  # None: read the MIP's own dual bound
 
 
 def _all_rows(problem: Problem, constraint_names: list[str]) -> list[Row]:
@@ -103,11 +126,10 @@ def _to_highs(problem: Problem, rows: list[Row]) -> highspy.HighsLp:
     return lp
 
 
-def _run(
-    problem: Problem, constraint_names: list[str], options: SolverOptions
-) -> tuple[highspy.Highs, str, float]:
+def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) -> _Outcome:
     """Solve; the returned Highs holds the solution. With ``lp_first``, an integral
-    relaxation is returned as is (see the module docstring), else the MIP runs."""
+    relaxation is returned as is, a fractional one goes through relax and fix (see the
+    module docstring), else the MIP runs."""
     highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("time_limit", float(options.time_limit_s))
@@ -115,6 +137,10 @@ def _run(
     highs.setOptionValue("threads", int(options.threads))
     highs.passModel(_to_highs(problem, _all_rows(problem, constraint_names)))
     start = time.perf_counter()
+
+    def remaining() -> float:
+        return max(1.0, float(options.time_limit_s) - (time.perf_counter() - start))
+
     if (
         options.lp_first
         and problem.integrality.any()
@@ -126,16 +152,53 @@ def _run(
         if _is_infeasible(status) or (
             status.lower() == "optimal" and _integral(highs, problem, options)
         ):
-            return highs, status, time.perf_counter() - start
+            objective = float(highs.getInfo().objective_function_value)
+            return _Outcome(highs, status, time.perf_counter() - start, "lp", objective)
         highs.setOptionValue("solve_relaxation", False)
-        highs.setOptionValue(
-            "time_limit", max(1.0, float(options.time_limit_s) - (time.perf_counter() - start))
-        )
+        if status.lower() == "optimal":
+            fixed = _relax_and_fix(highs, problem, options, remaining())
+            if fixed is not None:
+                fixed_status, bound = fixed
+                elapsed = time.perf_counter() - start
+                return _Outcome(highs, fixed_status, elapsed, "lp+fix", bound)
+        highs.setOptionValue("time_limit", remaining())
         logger.info("LP relaxation is fractional: running branch and bound")
     highs.run()
-    elapsed = time.perf_counter() - start
     status = highs.modelStatusToString(highs.getModelStatus())
-    return highs, status, elapsed
+    return _Outcome(highs, status, time.perf_counter() - start, "mip", None)
+
+
+def _relax_and_fix(
+    highs: highspy.Highs, problem: Problem, options: SolverOptions, time_limit_s: float
+) -> tuple[str, float] | None:
+    """Fix the integer columns the relaxation (solved in ``highs``) set to 1 and solve the
+    MIP over the rest. Returns (status, the relaxation's objective as the bound) when that
+    plan is within ``options.fix_gap`` of the bound; otherwise restores the bounds, leaves
+    the plan found (if any) as the full MIP's start and returns None."""
+    bound = float(highs.getInfo().objective_function_value)
+    values = np.asarray(highs.getSolution().col_value)
+    ones = np.flatnonzero(problem.integrality & (values >= 1.0 - options.integrality_tolerance))
+    if not len(ones):
+        return None
+    count = len(ones)
+    highs.changeColsBounds(count, ones.astype(np.int32), np.ones(count), np.ones(count))
+    highs.setOptionValue("time_limit", time_limit_s)
+    highs.run()
+    status = highs.modelStatusToString(highs.getModelStatus())
+    found = highs.getInfo().primal_solution_status == _FEASIBLE
+    objective = float(highs.getInfo().objective_function_value)
+    gap = (objective - bound) / max(abs(objective), 1e-12)
+    if found and status.lower() == "optimal" and gap <= options.fix_gap:
+        logger.info("relax and fix: %.3f%% above the relaxation's bound", 100 * gap)
+        return status, bound  # the bounds stay fixed: highs holds this plan and its info
+    start = highs.getSolution()
+    highs.changeColsBounds(count, ones.astype(np.int32), np.zeros(count), np.ones(count))
+    if not found:
+        logger.info("relax and fix found no plan (%s): running branch and bound", status)
+        return None
+    highs.setSolution(start)  # the full MIP starts from this plan
+    logger.info("relax and fix is %.3f%% above the bound: running branch and bound", 100 * gap)
+    return None
 
 
 def _integral(highs: highspy.Highs, problem: Problem, options: SolverOptions) -> bool:
@@ -156,7 +219,8 @@ def _is_infeasible(status: str) -> bool:
 def solve(problem: Problem, options: SolverOptions | None = None) -> Solution:
     options = options or SolverOptions()
     names = list(problem.user_constraints)
-    highs, status, elapsed = _run(problem, names, options)
+    outcome = _run(problem, names, options)
+    highs, status, elapsed = outcome.highs, outcome.status, outcome.elapsed_s
     if _is_infeasible(status):
         conflict = _minimal_conflict(problem, names, options)
         raise InfeasibleConstraintsError(
@@ -173,12 +237,15 @@ def solve(problem: Problem, options: SolverOptions | None = None) -> Solution:
             "(AutoParallel(..., time_limit_s=...)) or make the problem smaller (fewer or "
             "looser constraints, a smaller mesh)"
         )
-    relaxation = (
-        bool(highs.getOptionValue("solve_relaxation")[1]) if problem.integrality.any() else True
+    objective = float(info.objective_function_value)
+    # an integral relaxation is a proven optimum: its objective is also the bound; relax
+    # and fix is bounded by the relaxation's objective
+    bound = outcome.bound if outcome.bound is not None else float(info.mip_dual_bound)
+    gap = (
+        float(info.mip_gap)
+        if outcome.bound is None
+        else max(0.0, (objective - bound) / max(abs(objective), 1e-12))
     )
-    # an integral relaxation is a proven optimum: its objective is also the bound
-    bound = float(info.objective_function_value) if relaxation else float(info.mip_dual_bound)
-    gap = 0.0 if relaxation else float(info.mip_gap)
     if status.lower() not in ("optimal",):
         logger.warning(
             "solver stopped with status %r; using the best plan found (gap %.2f%%)",
@@ -190,24 +257,24 @@ def solve(problem: Problem, options: SolverOptions | None = None) -> Solution:
     }
     stats = SolverStats(
         status=status,
-        objective=float(info.objective_function_value),
+        objective=objective,
         bound=bound,
         gap=gap,
         time_s=elapsed,
         num_variables=problem.num_variables,
         num_constraints=problem.num_constraints,
-        method="lp" if relaxation and problem.integrality.any() else "mip",
+        method=outcome.method if problem.integrality.any() else "mip",
     )
     return Solution(choice=choice, stats=stats)
 
 
 def _minimal_conflict(problem: Problem, names: list[str], options: SolverOptions) -> list[str]:
     """Deletion filter: drop each constraint whose removal keeps the problem infeasible."""
-    if _is_infeasible(_run(problem, [], options)[1]):
+    if _is_infeasible(_run(problem, [], options).status):
         return ["<structural: no strategy combination is valid>"]
     kept = list(names)
     for name in names:
         trial = [n for n in kept if n != name]
-        if _is_infeasible(_run(problem, trial, options)[1]):
+        if _is_infeasible(_run(problem, trial, options).status):
             kept = trial
     return kept

@@ -111,8 +111,9 @@ def memory_constraint_of(
         raise ValueError(f"memory budget must be a positive number of bytes, got {budget}")
     rows = []
     seen: set[tuple[bytes, bytes]] = set()
+    moves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # edge -> its (columns, bytes)
     for parts in _moments(model):
-        row = _row(problem, parts, budget)
+        row = _row(problem, parts, budget, moves)
         key = (row.columns.tobytes(), row.values.tobytes())
         if key not in seen:
             seen.add(key)
@@ -151,29 +152,46 @@ def _alive_gathers(model: MemoryModel) -> list[tuple[MoveBytes, ...]]:
     return [rest + a + b for a, b in zip(layers, layers[1:])]
 
 
-def _row(problem: Problem, parts: Sequence[NodeBytes | MoveBytes], budget: float) -> Row:
+def _row(
+    problem: Problem,
+    parts: Sequence[NodeBytes | MoveBytes],
+    budget: float,
+    moves: dict[int, tuple[np.ndarray, np.ndarray]],
+) -> Row:
+    """The row ``sum(parts) <= budget`` (MiB); ``moves`` caches each edge's columns and bytes
+    (folded layers share edges' rows)."""
     columns, values = [], []
     for part in parts:
         if isinstance(part, NodeBytes):
             columns.append(problem.node_columns[part.node])
             values.append(part.per_strategy)
             continue
-        moves = problem.edge_moves(part.edge)
-        producer = problem.tables.edges[part.edge].producer.meta["val"]
-        mesh_shape = problem.space.mesh_shape
-        columns.append(np.array([m.column for m in moves], dtype=np.int64))
-        values.append(
-            np.array(
-                [
-                    0.0 if m.src == m.dst else _value_bytes(producer, m.dst, mesh_shape)
-                    for m in moves
-                ]
-            )
-        )
+        if part.edge not in moves:
+            moves[part.edge] = _move_bytes(problem, part.edge)
+        columns.append(moves[part.edge][0])
+        values.append(moves[part.edge][1])
     row = Row(np.concatenate(columns), np.concatenate(values) / MIB, -np.inf, budget / MIB)
     merged = row.merged()
     keep = merged.values != 0.0
     return Row(merged.columns[keep], merged.values[keep], -np.inf, budget / MIB)
+
+
+def _move_bytes(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray]:
+    """(columns, bytes) of edge ``edge``'s moves: the redistributed value's local bytes where
+    a move changes placements, else 0."""
+    moves = problem.edge_moves(edge)
+    producer = problem.tables.edges[edge].producer.meta["val"]
+    mesh_shape = problem.space.mesh_shape
+    by_target: dict[object, float] = {}
+    values = []
+    for move in moves:
+        if move.src == move.dst:
+            values.append(0.0)
+            continue
+        if move.dst not in by_target:
+            by_target[move.dst] = _value_bytes(producer, move.dst, mesh_shape)
+        values.append(by_target[move.dst])
+    return np.array([m.column for m in moves], dtype=np.int64), np.array(values)
 
 
 # ---------------------------------------------------------------------------- the estimate

@@ -1,0 +1,143 @@
+"""The memory model of a whole training step (solver/memory.py): what plan.memory counts,
+the memory constraint that keeps the peak within a budget, and the bytes the parallel
+module really holds (gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import meta
+from planning import TINY_PLAN_ARGS, Replicate, Shard
+from runtime_cases import memory_matches_plan
+from test_report_cli import run_cli
+
+from autoparallel import AutoParallel, InfeasibleConstraintsError
+from autoparallel.models import MLP, Llama, llama_config
+from autoparallel.optimizer import ShardingOptimizer
+from autoparallel.report.html import render_html
+
+IN, HIDDEN, BATCH = 256, 1024, 64
+MLP_PARAMS = IN * HIDDEN + HIDDEN + HIDDEN * IN + IN  # fp32 elements
+
+
+def _mlp(mesh, pin=None, budget=None, optimizer="adamw"):
+    model = meta(lambda: MLP(IN, HIDDEN))
+    autop = AutoParallel(model, lambda: torch.randn(BATCH, IN), mesh, hardware="h100")
+    with autop:
+        autop.add_input_constraints([(Shard(0),)])
+        autop.add_output_constraints([(Shard(0),)])
+        if pin is not None:
+            for node in autop.sharding_optimizer.problem.joint.params.values():
+                autop.sharding_optimizer.add_node_constraint(node, pin)
+        if budget is not None:
+            autop.add_memory_constraint(budget, optimizer)
+        return autop, autop.optimize_placement()
+
+
+def test_replicated_and_sharded_parameters_count_their_local_bytes(fake_mesh):
+    mesh = fake_mesh((4,))
+    _, ddp = _mlp(mesh, pin=(Replicate(),))
+    _, fsdp = _mlp(mesh, pin=(Shard(0),))
+    assert ddp.memory.parameters == 4 * MLP_PARAMS
+    assert ddp.memory.gradients == 4 * MLP_PARAMS
+    assert ddp.memory.optimizer_state == 2 * 4 * MLP_PARAMS  # AdamW: two moments
+    assert fsdp.memory.parameters == 4 * MLP_PARAMS / 4
+    assert fsdp.memory.optimizer_state == 2 * 4 * MLP_PARAMS / 4
+    # the saved activations of a batch-sharded MLP: its input and hidden values, local rows
+    assert ddp.memory.activations >= 4 * (BATCH // 4) * (IN + HIDDEN)
+    assert ddp.memory.peak == pytest.approx(
+        max(
+            ddp.memory.parameters
+            + ddp.memory.gradients
+            + ddp.memory.optimizer_state
+            + ddp.memory.transient,
+            ddp.memory.parameters + ddp.memory.optimizer_state + ddp.memory.activations,
+        )
+    )
+    assert ddp.memory.budget is None and ddp.memory.fits
+
+
+@pytest.mark.parametrize("optimizer, state_elements", [("sgd", 0), ("sgd-momentum", 1), (12, 3)])
+def test_the_optimizer_state_follows_the_optimizer(fake_mesh, optimizer, state_elements):
+    _, plan = _mlp(fake_mesh((4,)), pin=(Replicate(),), budget=1e12, optimizer=optimizer)
+    assert plan.memory.optimizer_state == state_elements * 4 * MLP_PARAMS
+
+
+def test_a_budget_below_the_free_plans_peak_shards_until_it_fits(fake_mesh):
+    mesh = fake_mesh((4,))
+    _, free = _mlp(mesh)
+    assert all(p == (Replicate(),) for p in free.param_placements.values())
+    budget = 0.5 * free.memory.peak
+    autop, fitted = _mlp(mesh, budget=budget)
+    assert fitted.memory.peak <= budget
+    assert fitted.memory.budget == budget
+    assert any(p != (Replicate(),) for p in fitted.param_placements.values())
+    assert "memory" in autop.sharding_optimizer.constraints()
+
+
+def test_an_impossible_budget_names_the_smallest_peak(fake_mesh):
+    with pytest.raises(InfeasibleConstraintsError, match="smallest peak any plan can reach"):
+        _mlp(fake_mesh((4,)), budget=1e5)
+
+
+@pytest.mark.parametrize(
+    "budget, optimizer, needle", [(0, "adamw", "positive"), (1e9, "lion", "unknown optimizer")]
+)
+def test_bad_memory_constraints_say_what_is_wrong(fake_mesh, budget, optimizer, needle):
+    with pytest.raises(ValueError, match=needle):
+        _mlp(fake_mesh((4,)), budget=budget, optimizer=optimizer)
+
+
+def test_the_memory_survives_save_and_load(fake_mesh, tmp_path):
+    autop, plan = _mlp(fake_mesh((4,)), budget=1e12, optimizer="sgd-momentum")
+    path = str(tmp_path / "problem.npz")
+    autop.sharding_optimizer.save(path)
+    loaded = ShardingOptimizer.load(path).get_solution()
+    assert loaded.memory == plan.memory
+
+
+def test_plan_json_log_and_html_show_the_memory(fake_mesh):
+    autop, plan = _mlp(fake_mesh((4,)), budget=1e12)
+    data = autop.sharding_optimizer.get_json()
+    memory = data["memory"]
+    assert memory["peak"] == pytest.approx(plan.memory.peak)
+    assert memory["budget"] == 1e12 and memory["optimizer"] == "adamw"
+    assert {"parameters", "gradients", "optimizer_state", "activations", "transient"} <= set(memory)
+    html = render_html(json.loads(json.dumps(data)))
+    assert 'id="memory"' in html and "Predicted peak" in html
+
+
+def test_the_cli_plans_within_a_memory_budget(tmp_path):
+    out = tmp_path / "plan.json"
+    result = run_cli(
+        *TINY_PLAN_ARGS,
+        *("--parameter-memory", "none", "--memory-budget", "3MiB", "--optimizer", "sgd"),
+        *("--no-save", "--out", str(out)),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "memory: peak" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["memory"]["peak"] <= 3 * 2**20 and data["memory"]["optimizer"] == "sgd"
+    assert data["run"]["memory_budget"] == f"{3 * 2**20} bytes"
+
+
+def test_layers_fold_into_identical_rows(fake_mesh):
+    """A repeated layer's memory rows are the same rows: the constraint stays a handful."""
+    model = meta(lambda: Llama(llama_config("tiny", n_layers=4)))
+    with AutoParallel(model, lambda: torch.randint(0, 256, (8, 32)), fake_mesh((2,))) as autop:
+        autop.add_input_constraints([(Shard(0),)])
+        autop.add_output_constraints([(Shard(0),)])
+        autop.add_memory_constraint(1e12)
+        rows = autop.sharding_optimizer.problem.user_constraints["memory"].rows
+        assert len(rows) <= 5
+
+
+@pytest.mark.parametrize("kind", ["ddp-pinned", "fsdp"])
+def test_predicted_memory_is_what_the_runtime_holds(ranks, kind):
+    """Parameters, gradients, AdamW state and saved activations: the bytes plan.memory
+    predicts are the bytes the parallel module holds after a step, on every rank."""
+    for result in ranks(2).run(memory_matches_plan, kind, timeout_s=240):
+        for name, measured in result["measured"].items():
+            assert result["predicted"][name] == pytest.approx(measured, rel=1e-6), name
