@@ -15,6 +15,7 @@ from autoparallel import _torch_internals as internals
 from autoparallel.cost import TRANSITION_COST_US, PairPricer, direct_redistribution_cost_us
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.solver.highs import SolverOptions, _run, solve
+from autoparallel.solver.memory import estimate_memory
 from autoparallel.solver.overlap import window_times
 from autoparallel.solver.plan import build_plan
 from autoparallel.types.tensors import TensorInfo
@@ -36,9 +37,9 @@ def _autop(mesh) -> AutoParallel:
 def test_lp_first_reaches_the_mip_optimum(fake_mesh):
     problem = _autop(fake_mesh((2, 2))).sharding_optimizer.problem
     lp_first = SolverOptions(lp_first=True, lp_first_min_variables=0)
-    highs, status, _ = _run(problem, list(problem.user_constraints), lp_first)
-    assert status == "Optimal"
-    assert highs.getOptionValue("solve_relaxation")[1] is True  # the relaxation was integral
+    outcome = _run(problem, list(problem.user_constraints), lp_first)
+    assert outcome.status == "Optimal"
+    assert outcome.method == "lp"  # the relaxation was integral
     relaxed = solve(problem, lp_first)
     mip = solve(problem, SolverOptions(lp_first=False))
     assert relaxed.stats.objective == pytest.approx(mip.stats.objective, rel=1e-9)
@@ -59,8 +60,28 @@ def test_lp_first_reaches_the_mip_optimum(fake_mesh):
 def test_small_problems_go_straight_to_the_mip(fake_mesh):
     problem = _autop(fake_mesh((2,))).sharding_optimizer.problem
     assert problem.num_variables < SolverOptions().lp_first_min_variables
-    highs, status, _ = _run(problem, list(problem.user_constraints), SolverOptions())
-    assert status == "Optimal" and highs.getOptionValue("solve_relaxation")[1] is False
+    outcome = _run(problem, list(problem.user_constraints), SolverOptions())
+    assert outcome.status == "Optimal" and outcome.method == "mip"
+    assert outcome.highs.getOptionValue("solve_relaxation")[1] is False
+
+
+def test_relax_and_fix_meets_a_binding_memory_budget(fake_mesh):
+    """A budget that binds leaves the relaxation fractional; fixing what it chose above 0.5
+    gives a plan within the budget and within fix_gap of the exact MIP's objective."""
+    autop = _autop(fake_mesh((4,)))
+    optimizer = autop.sharding_optimizer
+    optimizer.remove_constraints(["parameter_memory"])
+    free = optimizer.resolve()
+    budget = 0.7 * free.memory.peak
+    optimizer.add_memory_constraint(budget)
+    problem = optimizer.problem
+    options = SolverOptions(lp_first_min_variables=0)
+    fixed = solve(problem, options)
+    exact = solve(problem, SolverOptions(lp_first=False))
+    assert fixed.stats.method == "lp+fix"
+    assert fixed.stats.bound <= exact.stats.objective + 1e-6 <= fixed.stats.objective + 2e-6
+    assert fixed.stats.objective <= exact.stats.objective * (1 + options.fix_gap)
+    assert estimate_memory(problem, fixed.choice).peak <= budget * (1 + 1e-9)
 
 
 def test_cost_tables_hold_the_reference_prices(fake_mesh):

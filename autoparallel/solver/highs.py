@@ -168,36 +168,50 @@ def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) 
     return _Outcome(highs, status, time.perf_counter() - start, "mip", None)
 
 
+FIX_THRESHOLDS = (0.5, 0.9)
+"""Relax and fix tries fixing the columns the relaxation set above each of these (then the
+ones it set to 1): the more it fixes, the smaller the MIP left, the likelier it misses."""
+
+
 def _relax_and_fix(
     highs: highspy.Highs, problem: Problem, options: SolverOptions, time_limit_s: float
 ) -> tuple[str, float] | None:
-    """Fix the integer columns the relaxation (solved in ``highs``) set to 1 and solve the
-    MIP over the rest. Returns (status, the relaxation's objective as the bound) when that
-    plan is within ``options.fix_gap`` of the bound; otherwise restores the bounds, leaves
-    the plan found (if any) as the full MIP's start and returns None."""
+    """Fix the integer columns the relaxation (solved in ``highs``) set above a threshold
+    (FIX_THRESHOLDS, then 1) and solve the MIP over the rest. Returns (status, the
+    relaxation's objective as the bound) for the first plan within ``options.fix_gap`` of
+    the bound, with ``highs`` holding it; otherwise restores the bounds, leaves the best plan
+    found (if any) as the full MIP's start and returns None."""
     bound = float(highs.getInfo().objective_function_value)
     values = np.asarray(highs.getSolution().col_value)
-    ones = np.flatnonzero(problem.integrality & (values >= 1.0 - options.integrality_tolerance))
-    if not len(ones):
-        return None
-    count = len(ones)
-    highs.changeColsBounds(count, ones.astype(np.int32), np.ones(count), np.ones(count))
-    highs.setOptionValue("time_limit", time_limit_s)
-    highs.run()
-    status = highs.modelStatusToString(highs.getModelStatus())
-    found = highs.getInfo().primal_solution_status == _FEASIBLE
-    objective = float(highs.getInfo().objective_function_value)
-    gap = (objective - bound) / max(abs(objective), 1e-12)
-    if found and status.lower() == "optimal" and gap <= options.fix_gap:
-        logger.info("relax and fix: %.3f%% above the relaxation's bound", 100 * gap)
-        return status, bound  # the bounds stay fixed: highs holds this plan and its info
-    start = highs.getSolution()
-    highs.changeColsBounds(count, ones.astype(np.int32), np.zeros(count), np.ones(count))
-    if not found:
-        logger.info("relax and fix found no plan (%s): running branch and bound", status)
-        return None
-    highs.setSolution(start)  # the full MIP starts from this plan
-    logger.info("relax and fix is %.3f%% above the bound: running branch and bound", 100 * gap)
+    deadline = time.perf_counter() + time_limit_s
+    best: tuple[float, object] | None = None
+    for threshold in (*FIX_THRESHOLDS, 1.0 - options.integrality_tolerance):
+        fixed = np.flatnonzero(problem.integrality & (values >= threshold)).astype(np.int32)
+        if not len(fixed) or time.perf_counter() >= deadline:
+            continue
+        count = len(fixed)
+        highs.changeColsBounds(count, fixed, np.ones(count), np.ones(count))
+        highs.setOptionValue("time_limit", max(1.0, deadline - time.perf_counter()))
+        highs.run()
+        status = highs.modelStatusToString(highs.getModelStatus())
+        found = highs.getInfo().primal_solution_status == _FEASIBLE
+        objective = float(highs.getInfo().objective_function_value)
+        gap = (objective - bound) / max(abs(objective), 1e-12)
+        if found and status.lower() == "optimal" and gap <= options.fix_gap:
+            logger.info(
+                "relax and fix (columns above %.2f fixed): %.3f%% above the relaxation's bound",
+                threshold,
+                100 * gap,
+            )
+            return status, bound  # the bounds stay fixed: highs holds this plan and its info
+        if found and (best is None or objective < best[0]):
+            best = (objective, highs.getSolution())
+        highs.changeColsBounds(count, fixed, np.zeros(count), np.ones(count))
+    if best is not None:
+        highs.setSolution(best[1])  # the full MIP starts from the best plan found
+    logger.info(
+        "relax and fix found no plan within %.1f%%: running branch and bound", 100 * options.fix_gap
+    )
     return None
 
 
