@@ -113,14 +113,15 @@ def test_the_cli_plans_within_a_memory_budget(tmp_path):
     out = tmp_path / "plan.json"
     result = run_cli(
         *TINY_PLAN_ARGS,
-        *("--parameter-memory", "none", "--memory-budget", "3MiB", "--optimizer", "sgd"),
+        *("--parameter-memory", "none", "--memory-budget", "64MiB", "--optimizer", "sgd"),
         *("--no-save", "--out", str(out)),
     )
     assert result.returncode == 0, result.stderr
-    assert "memory: peak" in result.stdout
+    assert "memory: peak" in result.stdout and "budget 64.00 MiB" in result.stdout
     data = json.loads(out.read_text())
-    assert data["memory"]["peak"] <= 3 * 2**20 and data["memory"]["optimizer"] == "sgd"
-    assert data["run"]["memory_budget"] == f"{3 * 2**20} bytes"
+    assert data["memory"]["budget"] == 64 * 2**20 and data["memory"]["optimizer"] == "sgd"
+    assert data["memory"]["peak"] <= 64 * 2**20 and "memory" in data["constraints"]
+    assert data["run"]["memory_budget"] == f"{64 * 2**20} bytes"
 
 
 def test_layers_fold_into_identical_rows(fake_mesh):

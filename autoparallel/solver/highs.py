@@ -67,6 +67,10 @@ class SolverOptions:
         fix_gap: a fractional relaxation's relax-and-fix plan is accepted within this
             relative distance of the relaxation's objective (see the module docstring);
             0 always runs the full MIP after it.
+        relaxation_solver: HiGHS's LP solver for the relaxation: "simplex" (a vertex, fast
+            when the relaxation is integral: LLaMA-3 8B on (8, 8) 3.0 s against 18.1 s) or
+            "ipm" (interior point with crossover: faster on a hard memory budget, the tiny
+            LLaMA on (2, 2) at 70 % of its free peak 17 s against 60 s).
     """
 
     time_limit_s: float = 300.0
@@ -76,6 +80,7 @@ class SolverOptions:
     lp_first_min_variables: int = 50_000
     integrality_tolerance: float = 1e-6
     fix_gap: float = 0.01
+    relaxation_solver: str = "simplex"
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,9 @@ def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) 
         and problem.num_variables >= options.lp_first_min_variables
     ):
         highs.setOptionValue("solve_relaxation", True)
+        highs.setOptionValue("solver", options.relaxation_solver)
         highs.run()
+        highs.setOptionValue("solver", "choose")
         status = highs.modelStatusToString(highs.getModelStatus())
         if _is_infeasible(status) or (
             status.lower() == "optimal" and _integral(highs, problem, options)
