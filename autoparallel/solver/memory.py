@@ -66,6 +66,9 @@ def memory_model(problem: Problem) -> MemoryModel:
 
 
 def build_memory_model(problem: Problem, optimizer: str | float) -> MemoryModel:
+    """The bytes each strategy and move of ``problem`` costs per device (module doc), with
+    ``optimizer``'s state (a name of ``types.memory.OPTIMIZERS`` or bytes per parameter
+    element; ValueError otherwise)."""
     state = optimizer_state(optimizer)
     mesh_shape = problem.space.mesh_shape
     parameters, gradients, states, temporaries = [], [], [], []
