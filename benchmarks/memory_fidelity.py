@@ -35,8 +35,8 @@ from workloads import WORKLOADS, local_rows, loss_of, make_optimizer, plan_ours
 
 from autoparallel import measure_memory
 from autoparallel._testing.harness import run_distributed
+from autoparallel.runtime.memory import COMPONENTS
 
-COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
 RECIPES = ("free", "ddp", "fsdp", "tp", "budget")
 BUDGET_SHARE = 0.6
 """The ``budget`` recipe's peak budget, as a share of the free plan's predicted peak."""

@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from autoparallel.solver.constraints import distinct_param_nodes
 from autoparallel.trace.view_ops import is_view_node, parameter_views
-from autoparallel.types.graph import layer_of
+from autoparallel.types.graph import JointGraph, layer_of
 from autoparallel.types.memory import (
     GatherGroup,
     MemoryEstimate,
@@ -271,9 +271,7 @@ def _activations(
     inputs = set(joint.user_inputs)
     saved = {
         producer
-        for node in joint.graph.nodes
-        if node.op == "call_function" and node not in joint.forward_nodes
-        for producer in node.all_input_nodes
+        for producer in _read_by_backward(joint)
         if (producer in joint.forward_nodes and producer.op == "call_function")
         or producer in inputs
     }
@@ -301,13 +299,7 @@ def _saved_gathers(problem: Problem) -> list[MoveBytes]:
     the parameter's own storage."""
     joint = problem.joint
     readers = parameter_views(joint)
-    saved = {
-        producer
-        for node in joint.graph.nodes
-        if node.op == "call_function" and node not in joint.forward_nodes
-        for producer in node.all_input_nodes
-        if producer in readers and producer.op == "call_function"
-    }
+    saved = {p for p in _read_by_backward(joint) if p in readers and p.op == "call_function"}
     chain: set[fx.Node] = set()  # the saved reads and the reads they view
     for node in saved:
         while node in readers and node not in chain:
@@ -318,6 +310,16 @@ def _saved_gathers(problem: Problem) -> list[MoveBytes]:
         for index, edge in enumerate(problem.tables.edges)
         if edge.kind == "arg" and edge.consumer in chain and edge.producer in readers
     ]
+
+
+def _read_by_backward(joint: JointGraph) -> set[fx.Node]:
+    """Every node an op of the backward reads (computed there or saved from before)."""
+    return {
+        producer
+        for node in joint.graph.nodes
+        if node.op == "call_function" and node not in joint.forward_nodes
+        for producer in node.all_input_nodes
+    }
 
 
 def _storage_root(node: fx.Node) -> fx.Node:
