@@ -184,16 +184,28 @@ class AutoParallel:
         """Bound parameter memory per device, in bytes (defaults push toward 1/world-size)."""
         return self.sharding_optimizer.add_parameter_memory_constraint(low, high)
 
-    def add_memory_constraint(self, budget_bytes: float, optimizer: str | float = "adamw") -> str:
+    def add_memory_constraint(
+        self,
+        budget_bytes: float,
+        optimizer: str | float = "adamw",
+        activation_checkpointing: str = "off",
+    ) -> str:
         """Keep the predicted peak memory per device of a whole training step within
         ``budget_bytes``: parameters, gradients, ``optimizer``'s state ("adamw", "adam",
         "sgd", "sgd-momentum" or bytes per parameter element), the activations saved for
         the backward and the gathered parameters (``plan.memory`` itemizes them).
 
+        ``activation_checkpointing="auto"`` lets the solver recompute numbered layers in
+        the backward instead of saving their activations, where that is the cheapest way to
+        fit; ``plan.recompute`` names them and the parallel module recomputes exactly those.
+        "off" (the default) keeps every activation.
+
         Raises InfeasibleConstraintsError when no plan fits, with a lower bound on the
         smallest peak any plan reaches.
         """
-        return self.sharding_optimizer.add_memory_constraint(budget_bytes, optimizer)
+        return self.sharding_optimizer.add_memory_constraint(
+            budget_bytes, optimizer, activation_checkpointing
+        )
 
     def optimize_placement(self, verbose: bool = False) -> Plan:
         """Solve the problem and return the plan.
@@ -312,6 +324,7 @@ def auto_parallel(
     parameter_memory_budget: tuple[float | None, float | None] | None = None,
     memory_budget: float | None = None,
     optimizer: str | float = "adamw",
+    activation_checkpointing: str = "off",
     dynamic: bool = False,
     **planner_options: Any,
 ) -> nn.Module:
@@ -326,7 +339,8 @@ def auto_parallel(
         parameter_memory_budget: ``(low, high)`` bytes per device for the parameter memory
             constraint (``(None, None)`` = the defaults); ``None`` adds no constraint.
         memory_budget: peak bytes per device of a training step (see
-            :meth:`AutoParallel.add_memory_constraint`), with ``optimizer``'s state;
+            :meth:`AutoParallel.add_memory_constraint`), with ``optimizer``'s state and
+            ``activation_checkpointing`` ("auto": recompute layers where that fits best);
             ``None`` adds no constraint.
         dynamic: accept other input sizes at run time without planning again (see
             :class:`AutoParallel`).
@@ -369,6 +383,6 @@ def auto_parallel(
             low, high = parameter_memory_budget
             autop.add_parameter_memory_constraint(low, high)
         if memory_budget is not None:
-            autop.add_memory_constraint(memory_budget, optimizer)
+            autop.add_memory_constraint(memory_budget, optimizer, activation_checkpointing)
         plan = autop.optimize_placement()
         return autop.apply_placement(plan)

@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 MEMORY_CONSTRAINT = "memory"
 """The name of the constraint :meth:`ShardingOptimizer.add_memory_constraint` adds."""
 
+ACTIVATION_CHECKPOINTING = ("off", "auto")
+"""What the memory constraint may do about saved activations: keep them all, or recompute
+layers where the solver finds it pays (solver/recompute.py)."""
+
 REFITS = 3
 """Re-solves at most after the prices that follow the plan were refitted (see resolve)."""
 
@@ -91,32 +95,50 @@ class ShardingOptimizer:
             parameter_memory_constraint(self.problem, name, low, high)
         )
 
-    def add_memory_constraint(self, budget_bytes: float, optimizer: str | float = "adamw") -> str:
+    def add_memory_constraint(
+        self,
+        budget_bytes: float,
+        optimizer: str | float = "adamw",
+        activation_checkpointing: str = "off",
+    ) -> str:
         """Keep the predicted peak memory per device of a training step within
         ``budget_bytes`` (parameters, gradients, optimizer state, saved activations and
         gathered parameters: see ``solver/memory.py``). ``optimizer`` says what state the
         optimizer keeps: "adamw" (default), "adam", "sgd", "sgd-momentum", or bytes per
-        parameter element. Replaces an earlier memory constraint; returns its name.
+        parameter element. ``activation_checkpointing="auto"`` lets the solver recompute
+        layers in the backward instead of saving their activations, where that is the
+        cheapest way to fit (``plan.recompute`` names them; solver/recompute.py); "off"
+        (default) never recomputes. Replaces an earlier memory constraint; returns its name.
 
         Raises InfeasibleConstraintsError when no plan can fit, naming a lower bound on the
-        smallest peak; ValueError for a budget that is not positive or an unknown optimizer.
+        smallest peak; ValueError for a budget that is not positive, an unknown optimizer
+        or activation_checkpointing mode.
         """
+        if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
+                f"got {activation_checkpointing!r}"
+            )
         name = MEMORY_CONSTRAINT
         if name in self.problem.user_constraints:
             self.remove_constraints([name])
-        model = build_memory_model(self.problem, optimizer)
+        model = build_memory_model(self.problem, optimizer, activation_checkpointing == "auto")
         constraint = memory_constraint_of(self.problem, model, name, float(budget_bytes))
         if smallest_peak(model) > float(budget_bytes):
             raise InfeasibleConstraintsError([name], [constraint.description])
         self.problem.memory = model
         self.problem.memory_optimizer = optimizer
         self.problem.memory_budget = float(budget_bytes)
+        self.problem.activation_checkpointing = activation_checkpointing
         return self.problem.add_constraint(constraint)
 
     def remove_constraints(self, names: Sequence[str]) -> None:
         self.problem.remove_constraints(list(names))
         if MEMORY_CONSTRAINT in names:
             self.problem.memory_budget = None
+            if self.problem.activation_checkpointing != "off":  # nothing left to recompute for
+                self.problem.activation_checkpointing = "off"
+                self.problem.memory = None
 
     def constraints(self) -> dict[str, str]:
         """Name -> description of every user constraint in force."""

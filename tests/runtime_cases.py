@@ -8,6 +8,7 @@ and full (gathered) tensors that the test compares with the single-process refer
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ LLAMA = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512)
 LLAMA_DEEP = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512, n_layers=6)
 STEPS = 3
 LR = 1e-3
+RECOMPUTED = ("layers.0", "layers.1")  # every layer of LLAMA
 TOLERANCE = 1e-4  # losses, gradients and parameters against the single-device run
 
 
@@ -68,7 +70,7 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
     with AutoParallel(model, lambda: torch.empty_like(example), mesh, hardware="cpu") as autop:
         autop.add_input_constraints([batch_sharded])
         autop.add_output_constraints([batch_sharded])
-        if kind == "fsdp":
+        if kind.startswith("fsdp"):
             autop.add_parameter_memory_constraint()
         if kind == "tp":
             optimizer = autop.sharding_optimizer
@@ -87,6 +89,8 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
             for node in optimizer.problem.joint.params.values():
                 optimizer.add_node_constraint(node, (Replicate(),) * mesh.ndim)
         plan = autop.optimize_placement()
+        if kind.endswith("+recompute"):  # the runtime recomputes the layers the plan names
+            plan = dataclasses.replace(plan, recompute=RECOMPUTED)
         parallel = autop.apply_placement(plan)
     return plan, parallel
 

@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         "or bytes per parameter element (default adamw)",
     )
     plan.add_argument(
+        "--activation-checkpointing",
+        choices=("off", "auto"),
+        default="off",
+        help="with --memory-budget: auto lets the solver recompute layers in the backward "
+        "where that is the cheapest way to fit (default off: every activation saved)",
+    )
+    plan.add_argument(
         "--param-dtype",
         choices=sorted(DTYPES),
         default=None,
@@ -199,6 +206,7 @@ class PlanRequest:
     trace_all_layers: bool = False
     memory_budget: float | None = None  # peak bytes per device of a step; None: no constraint
     optimizer: str | float = "adamw"
+    activation_checkpointing: str = "off"  # "auto": the memory constraint may recompute
 
     def mp_policy(self) -> Any:
         """torch's MixedPrecisionPolicy for the dtype flags, or None without them."""
@@ -326,6 +334,12 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         )
     if args.reduce_dtype is not None and args.param_dtype is None:
         raise UsageError("--reduce-dtype needs --param-dtype (the dtype the model computes in)")
+    memory_budget = parse_memory_budget(args.memory_budget, hardware)
+    if args.activation_checkpointing != "off" and memory_budget is None:
+        raise UsageError(
+            "--activation-checkpointing auto needs --memory-budget: recomputing pays only "
+            "to fit a budget"
+        )
     return PlanRequest(
         model,
         shape,
@@ -343,8 +357,9 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         args.param_dtype,
         args.reduce_dtype,
         args.trace_all_layers,
-        parse_memory_budget(args.memory_budget, hardware),
+        memory_budget,
         parse_optimizer(args.optimizer),
+        args.activation_checkpointing,
     )
 
 
@@ -488,7 +503,9 @@ def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
             elif request.parameter_memory is not None:
                 autop.add_parameter_memory_constraint(high=float(request.parameter_memory))
             if request.memory_budget is not None:
-                autop.add_memory_constraint(request.memory_budget, request.optimizer)
+                autop.add_memory_constraint(
+                    request.memory_budget, request.optimizer, request.activation_checkpointing
+                )
             plan = autop.optimize_placement(verbose=request.verbose)
             elapsed = time.perf_counter() - start
             if request.save is not None:
@@ -527,6 +544,7 @@ def _run_info(
         if request.memory_budget is None
         else f"{request.memory_budget:.0f} bytes",
         "optimizer": request.optimizer,
+        "activation_checkpointing": request.activation_checkpointing,
         "param_dtype": request.param_dtype,
         "reduce_dtype": request.reduce_dtype,
         "stage_times_s": {k: round(float(v), 3) for k, v in stage_times_s.items()},

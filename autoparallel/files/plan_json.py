@@ -400,6 +400,7 @@ def _memory(plan: Plan) -> dict[str, Any] | None:
         "peak_at": memory.peak_at,
         "budget": _num(memory.budget) if memory.budget is not None else None,
         "recomputed": list(memory.recomputed),
+        "recompute_us": _num(memory.recompute_us),
         "activations_by_layer": [
             {"layer": layer, "bytes": _num(value)} for layer, value in memory.activations_by_layer
         ],

@@ -35,6 +35,7 @@ from autoparallel.types.placements import (
 )
 from autoparallel.types.plan import Solution, SolverStats
 from autoparallel.types.problem import (
+    AuxiliaryColumns,
     Bucket,
     BucketMember,
     Folding,
@@ -91,6 +92,7 @@ def save_problem(
         if solution
         else None,
         "solver": dataclasses.asdict(solution.stats) if solution else None,
+        "auxiliary": dict(solution.auxiliary) if solution else {},
         "buckets": [
             {
                 "kind": b.kind,
@@ -115,7 +117,11 @@ def save_problem(
             ],
             "shares": list(problem.overlap_shares),
         },
-        "memory": {"optimizer": problem.memory_optimizer, "budget": problem.memory_budget},
+        "memory": {
+            "optimizer": problem.memory_optimizer,
+            "budget": problem.memory_budget,
+            "activation_checkpointing": problem.activation_checkpointing,
+        },
     }
     rows = _pack_rows(problem.rows)
     rows.update(
@@ -232,13 +238,35 @@ def _roles(joint: JointGraph) -> dict:
 
 
 def _constraint_record(constraint: UserConstraint) -> dict:
-    return {
+    record = {
         "name": constraint.name,
         "description": constraint.description,
         "rows": [
             [r.columns.tolist(), r.values.tolist(), r.lower, r.upper] for r in constraint.rows
         ],
     }
+    columns = constraint.columns
+    if columns is not None:
+        record["columns"] = {
+            "names": list(columns.names),
+            "objective": columns.objective.tolist(),
+            "lower": columns.lower.tolist(),
+            "upper": columns.upper.tolist(),
+            "integral": columns.integral.tolist(),
+        }
+    return record
+
+
+def _auxiliary_columns(record: dict | None) -> AuxiliaryColumns | None:
+    if record is None:
+        return None
+    return AuxiliaryColumns(
+        tuple(record["names"]),
+        np.asarray(record["objective"], dtype=np.float64),
+        np.asarray(record["lower"], dtype=np.float64),
+        np.asarray(record["upper"], dtype=np.float64),
+        np.asarray(record["integral"], dtype=bool),
+    )
 
 
 def _pack_rows(rows: list[Row]) -> dict[str, np.ndarray]:
@@ -372,16 +400,22 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
     memory = meta.get("memory") or {}
     problem.memory_optimizer = memory.get("optimizer", "adamw")
     problem.memory_budget = memory.get("budget")
+    problem.activation_checkpointing = memory.get("activation_checkpointing", "off")
     for record in meta["user_constraints"]:
         rows = [
             Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi)
             for c, v, lo, hi in record["rows"]
         ]
-        problem.add_constraint(UserConstraint(record["name"], record["description"], rows))
+        columns = _auxiliary_columns(record.get("columns"))
+        problem.add_constraint(UserConstraint(record["name"], record["description"], rows, columns))
     solution = None
     if meta["choice"]:
         choice = {by_name[n]: i for n, i in meta["choice"].items()}
-        solution = Solution(choice=choice, stats=SolverStats(**meta["solver"]))
+        solution = Solution(
+            choice=choice,
+            stats=SolverStats(**meta["solver"]),
+            auxiliary=dict(meta.get("auxiliary") or {}),
+        )
     names = tuple(meta["mesh_dim_names"]) if meta["mesh_dim_names"] else None
     return problem, names, solution
 

@@ -48,6 +48,14 @@ def memory_section(data: Mapping[str, Any]) -> str:
         f"{t.esc(memory.get('peak_at', '-'))}{t.esc(within)}; optimizer state for "
         f"{t.esc(memory.get('optimizer', '-'))}.</p>"
     )
+    recomputed = list(memory.get("recomputed") or [])
+    if recomputed:
+        again_ms = (t.num(memory.get("recompute_us")) or 0.0) / 1000
+        summary += (
+            f"<p>Recomputed in the backward instead of saved ({len(recomputed)} layers, "
+            f"{again_ms:.3f} ms of forward compute again): "
+            f"{t.esc(', '.join(recomputed))}.</p>"
+        )
     return t.section(
         "memory",
         "Memory",
@@ -55,7 +63,8 @@ def memory_section(data: Mapping[str, Any]) -> str:
         "Bytes per device of one training step (solver/memory.py). At the start of the "
         "backward: parameters, optimizer state, saved activations and the gathered parameters "
         "alive; at the optimizer step: parameters, gradients, optimizer state and the step's "
-        "temporaries.",
+        "temporaries; with recomputed layers, also the backward of the first one it "
+        "reaches, with that layer's activations back (transient).",
     )
 
 
@@ -73,8 +82,13 @@ def _alive_at_peak(memory: Mapping[str, Any]) -> list[tuple[str, float]]:
 
 
 def _layers_chart(memory: Mapping[str, Any]) -> str:
+    recomputed = set(memory.get("recomputed") or [])
     layers = [
-        (str(row.get("layer", "-")), t.num(row.get("bytes")) or 0.0)
+        (
+            str(row.get("layer", "-"))
+            + (" (recomputed)" if row.get("layer") in recomputed else ""),
+            t.num(row.get("bytes")) or 0.0,
+        )
         for row in memory.get("activations_by_layer") or []
     ]
     if not layers:

@@ -226,11 +226,19 @@ def memory_lines(data: Mapping[str, Any]) -> list[str]:
             ("transient", "transient"),
         )
     )
-    return [
+    lines = [
         f"memory: peak {format_bytes(m.get('peak') or 0)} per device at the "
         f"{m.get('peak_at', '-')}{within}",
         f"  {parts}",
     ]
+    recomputed = list(m.get("recomputed") or [])
+    if recomputed:
+        lines.append(
+            f"  recomputed in the backward ({len(recomputed)} layers, "
+            f"+{_fmt_us(float(m.get('recompute_us') or 0.0))} of forward compute): "
+            + ", ".join(recomputed)
+        )
+    return lines
 
 
 def _optimizer_line(totals: Mapping[str, Any]) -> list[str]:

@@ -32,7 +32,7 @@ import highspy
 import numpy as np
 
 from autoparallel.types.plan import Solution, SolverStats
-from autoparallel.types.problem import Problem, Row
+from autoparallel.types.problem import AuxiliaryColumns, Problem, Row
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +84,28 @@ class SolverOptions:
 
 
 @dataclass(frozen=True)
+class _Candidate:
+    """A plan found along the way: its objective and every column's value."""
+
+    objective: float
+    values: np.ndarray
+
+    def gap(self, bound: float) -> float:
+        return max(0.0, (self.objective - bound) / max(abs(self.objective), 1e-12))
+
+
+@dataclass(frozen=True)
 class _Outcome:
-    """How a solve ended: the Highs holding the solution, its status, the seconds it took,
-    the method ("lp", "lp+fix" or "mip") and the lower bound on the objective."""
+    """How a solve ended: the Highs it ran in, its status, the seconds it took, the method
+    ("lp", "lp+fix" or "mip") and the lower bound on the objective (None: read the MIP's
+    own dual bound); ``plan`` when the plan is not the one ``highs`` holds last."""
 
     highs: highspy.Highs
     status: str
     elapsed_s: float
     method: str
-    bound: float | None  # None: read the MIP's own dual bound
+    bound: float | None
+    plan: _Candidate | None = None
 
 
 def _all_rows(problem: Problem, constraint_names: list[str]) -> list[Row]:
@@ -102,14 +115,30 @@ def _all_rows(problem: Problem, constraint_names: list[str]) -> list[Row]:
     return rows
 
 
-def _to_highs(problem: Problem, rows: list[Row]) -> highspy.HighsLp:
+def _auxiliary(problem: Problem, constraint_names: list[str]) -> AuxiliaryColumns | None:
+    """The auxiliary columns of the constraints in force (at most one has them)."""
+    owner = problem.auxiliary_owner()
+    return problem.user_constraints[owner].columns if owner in constraint_names else None
+
+
+def _to_highs(
+    problem: Problem, rows: list[Row], auxiliary: AuxiliaryColumns | None
+) -> highspy.HighsLp:
     lp = highspy.HighsLp()
-    num_cols = problem.num_variables
+    base = problem.num_variables
+    extra = 0 if auxiliary is None else len(auxiliary)
+    num_cols = base + extra
     lp.num_col_ = num_cols
     lp.num_row_ = len(rows)
     lp.col_cost_ = problem.objective.astype(np.float64)
     lp.col_lower_ = np.zeros(num_cols)
     lp.col_upper_ = np.ones(num_cols)
+    integrality = list(problem.integrality)
+    if auxiliary is not None:
+        lp.col_cost_ = np.concatenate([problem.objective, auxiliary.objective]).astype(np.float64)
+        lp.col_lower_ = np.concatenate([np.zeros(base), auxiliary.lower])
+        lp.col_upper_ = np.concatenate([np.ones(base), auxiliary.upper])
+        integrality += list(auxiliary.integral)
     lp.row_lower_ = np.array([r.lower for r in rows], dtype=np.float64)
     lp.row_upper_ = np.array([r.upper for r in rows], dtype=np.float64)
     starts = np.zeros(len(rows) + 1, dtype=np.int32)
@@ -126,7 +155,7 @@ def _to_highs(problem: Problem, rows: list[Row]) -> highspy.HighsLp:
     )
     lp.integrality_ = [
         highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous
-        for flag in problem.integrality
+        for flag in integrality
     ]
     return lp
 
@@ -140,7 +169,9 @@ def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) 
     highs.setOptionValue("time_limit", float(options.time_limit_s))
     highs.setOptionValue("mip_rel_gap", float(options.relative_gap))
     highs.setOptionValue("threads", int(options.threads))
-    highs.passModel(_to_highs(problem, _all_rows(problem, constraint_names)))
+    auxiliary = _auxiliary(problem, constraint_names)
+    highs.passModel(_to_highs(problem, _all_rows(problem, constraint_names), auxiliary))
+    counts = _count_columns(problem, auxiliary)
     start = time.perf_counter()
 
     def remaining() -> float:
@@ -149,30 +180,45 @@ def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) 
     if (
         options.lp_first
         and problem.integrality.any()
-        and problem.num_variables >= options.lp_first_min_variables
+        and (problem.num_variables >= options.lp_first_min_variables or len(counts))
     ):
-        highs.setOptionValue("solve_relaxation", True)
-        highs.setOptionValue("solver", options.relaxation_solver)
-        highs.run()
-        highs.setOptionValue("solver", "choose")
-        status = highs.modelStatusToString(highs.getModelStatus())
+        status = _relaxation(highs, options)
         if _is_infeasible(status) or (
-            status.lower() == "optimal" and _integral(highs, problem, options)
+            status.lower() == "optimal" and _integral(highs, problem, auxiliary, options)
         ):
             objective = float(highs.getInfo().objective_function_value)
             return _Outcome(highs, status, time.perf_counter() - start, "lp", objective)
-        highs.setOptionValue("solve_relaxation", False)
         if status.lower() == "optimal":
-            fixed = _relax_and_fix(highs, problem, options, remaining())
-            if fixed is not None:
-                fixed_status, bound = fixed
-                elapsed = time.perf_counter() - start
-                return _Outcome(highs, fixed_status, elapsed, "lp+fix", bound)
+            bound = float(highs.getInfo().objective_function_value)
+            search = (
+                _branch_on_counts(highs, problem, auxiliary, counts, options, remaining())
+                if len(counts) and not _integral_at(highs, counts, options)
+                else _relax_and_fix(highs, problem, options, remaining())
+            )
+            if search is not None:
+                plan, bound = search if isinstance(search, tuple) else (search, bound)
+                if plan.gap(bound) <= options.fix_gap:
+                    elapsed = time.perf_counter() - start
+                    return _Outcome(highs, "Optimal", elapsed, "lp+fix", bound, plan)
+                highs.setSolution(_as_solution(plan))  # the full MIP starts from it
+            logger.info(
+                "relax and fix found no plan within %.1f%%: running branch and bound",
+                100 * options.fix_gap,
+            )
         highs.setOptionValue("time_limit", remaining())
-        logger.info("LP relaxation is fractional: running branch and bound")
     highs.run()
     status = highs.modelStatusToString(highs.getModelStatus())
     return _Outcome(highs, status, time.perf_counter() - start, "mip", None)
+
+
+def _relaxation(highs: highspy.Highs, options: SolverOptions) -> str:
+    """Solve the LP relaxation of the model ``highs`` holds; returns its status."""
+    highs.setOptionValue("solve_relaxation", True)
+    highs.setOptionValue("solver", options.relaxation_solver)
+    highs.run()
+    highs.setOptionValue("solver", "choose")
+    highs.setOptionValue("solve_relaxation", False)
+    return highs.modelStatusToString(highs.getModelStatus())
 
 
 FIX_THRESHOLDS = (0.5, 0.9)
@@ -182,16 +228,15 @@ ones it set to 1): the more it fixes, the smaller the MIP left, the likelier it 
 
 def _relax_and_fix(
     highs: highspy.Highs, problem: Problem, options: SolverOptions, time_limit_s: float
-) -> tuple[str, float] | None:
-    """Fix the integer columns the relaxation (solved in ``highs``) set above a threshold
-    (FIX_THRESHOLDS, then 1) and solve the MIP over the rest. Returns (status, the
-    relaxation's objective as the bound) for the first plan within ``options.fix_gap`` of
-    the bound, with ``highs`` holding it; otherwise restores the bounds, leaves the best plan
-    found (if any) as the full MIP's start and returns None."""
+) -> _Candidate | None:
+    """Fix the strategy columns the relaxation (solved in ``highs``) set above a threshold
+    (FIX_THRESHOLDS, then 1) and solve the MIP over the rest. Returns the first plan within
+    ``options.fix_gap`` of the relaxation's objective, else the best plan found (None if
+    none); the column bounds are restored either way."""
     bound = float(highs.getInfo().objective_function_value)
-    values = np.asarray(highs.getSolution().col_value)
+    values = np.asarray(highs.getSolution().col_value)[: problem.num_variables]
     deadline = time.perf_counter() + time_limit_s
-    best: tuple[float, object] | None = None
+    best: _Candidate | None = None
     for threshold in (*FIX_THRESHOLDS, 1.0 - options.integrality_tolerance):
         fixed = np.flatnonzero(problem.integrality & (values >= threshold)).astype(np.int32)
         if not len(fixed) or time.perf_counter() >= deadline:
@@ -202,31 +247,121 @@ def _relax_and_fix(
         highs.run()
         status = highs.modelStatusToString(highs.getModelStatus())
         found = highs.getInfo().primal_solution_status == _FEASIBLE
-        objective = float(highs.getInfo().objective_function_value)
-        gap = (objective - bound) / max(abs(objective), 1e-12)
-        if found and status.lower() == "optimal" and gap <= options.fix_gap:
+        plan = None
+        if found:
+            objective = float(highs.getInfo().objective_function_value)
+            plan = _Candidate(objective, np.asarray(highs.getSolution().col_value))
+            best = plan if best is None or plan.objective < best.objective else best
+        highs.changeColsBounds(count, fixed, np.zeros(count), np.ones(count))
+        if plan is not None and status.lower() == "optimal" and plan.gap(bound) <= options.fix_gap:
             logger.info(
                 "relax and fix (columns above %.2f fixed): %.3f%% above the relaxation's bound",
                 threshold,
-                100 * gap,
+                100 * plan.gap(bound),
             )
-            return status, bound  # the bounds stay fixed: highs holds this plan and its info
-        if found and (best is None or objective < best[0]):
-            best = (objective, highs.getSolution())
-        highs.changeColsBounds(count, fixed, np.zeros(count), np.ones(count))
-    if best is not None:
-        highs.setSolution(best[1])  # the full MIP starts from the best plan found
-    logger.info(
-        "relax and fix found no plan within %.1f%%: running branch and bound", 100 * options.fix_gap
+            return plan
+    return best
+
+
+def _branch_on_counts(
+    highs: highspy.Highs,
+    problem: Problem,
+    auxiliary: AuxiliaryColumns | None,
+    counts: np.ndarray,
+    options: SolverOptions,
+    time_limit_s: float,
+) -> tuple[_Candidate, float] | None:
+    """Branch and bound over the few integer auxiliary columns only (how many layers each
+    class recomputes): the relaxation spreads a count over a fraction of a layer, which the
+    full MIP takes minutes to undo. Each node solves the relaxation with the counts
+    bounded; where the counts come out integral, relax and fix finds the plan. Returns the
+    best plan and a lower bound on every plan's objective (the smallest relaxation among
+    the nodes left), or None if no plan was found; the bounds are restored."""
+    original = (
+        np.asarray(auxiliary.lower)[auxiliary.integral],
+        np.asarray(auxiliary.upper)[auxiliary.integral],
     )
-    return None
+    deadline = time.perf_counter() + time_limit_s
+    stack = [(original[0].copy(), original[1].copy(), -np.inf)]
+    best: _Candidate | None = None
+    bounds: list[float] = []  # the relaxations of the nodes closed without branching
+    while stack:
+        lower, upper, parent = stack.pop()
+        if best is not None and parent >= best.objective * (1 - options.relative_gap):
+            bounds.append(parent)
+            continue
+        if time.perf_counter() >= deadline:
+            bounds.append(parent)
+            continue
+        highs.changeColsBounds(len(counts), counts, lower, upper)
+        highs.setOptionValue("time_limit", max(1.0, deadline - time.perf_counter()))
+        status = _relaxation(highs, options)
+        if status.lower() != "optimal":
+            continue  # infeasible (or stopped): no plan with these counts
+        objective = float(highs.getInfo().objective_function_value)
+        values = np.asarray(highs.getSolution().col_value)
+        if best is not None and objective >= best.objective * (1 - options.relative_gap):
+            bounds.append(objective)
+            continue
+        at = values[counts]
+        fractional = np.flatnonzero(np.abs(at - np.round(at)) > options.integrality_tolerance)
+        if len(fractional):
+            j, value = fractional[0], at[fractional[0]]
+            down, up = upper.copy(), lower.copy()
+            down[j], up[j] = np.floor(value), np.ceil(value)
+            stack.append((lower, down, objective))
+            stack.append((up, upper, objective))  # more recomputed first: likelier to fit
+            continue
+        bounds.append(objective)
+        plan = (
+            _Candidate(objective, values)
+            if _integral(highs, problem, auxiliary, options)
+            else _relax_and_fix(highs, problem, options, max(1.0, deadline - time.perf_counter()))
+        )
+        if plan is not None and (best is None or plan.objective < best.objective):
+            best = plan
+    highs.changeColsBounds(len(counts), counts, original[0], original[1])
+    if best is None:
+        return None
+    bound = min(bounds, default=best.objective)
+    logger.info(
+        "recompute counts branched on: %.3f%% above the relaxation's bound", 100 * best.gap(bound)
+    )
+    return best, min(bound, best.objective)
 
 
-def _integral(highs: highspy.Highs, problem: Problem, options: SolverOptions) -> bool:
+def _count_columns(problem: Problem, auxiliary: AuxiliaryColumns | None) -> np.ndarray:
+    """The indices of the integer auxiliary columns (recompute counts)."""
+    if auxiliary is None:
+        return np.zeros(0, dtype=np.int32)
+    return (problem.num_variables + np.flatnonzero(auxiliary.integral)).astype(np.int32)
+
+
+def _integral_at(highs: highspy.Highs, columns: np.ndarray, options: SolverOptions) -> bool:
+    values = np.asarray(highs.getSolution().col_value)[columns]
+    return bool(np.all(np.abs(values - np.round(values)) <= options.integrality_tolerance))
+
+
+def _as_solution(plan: _Candidate) -> highspy.HighsSolution:
+    solution = highspy.HighsSolution()
+    solution.col_value = plan.values.tolist()
+    solution.value_valid = True
+    return solution
+
+
+def _integral(
+    highs: highspy.Highs,
+    problem: Problem,
+    auxiliary: AuxiliaryColumns | None,
+    options: SolverOptions,
+) -> bool:
     values = np.asarray(highs.getSolution().col_value)
-    if len(values) != problem.num_variables:
+    extra = 0 if auxiliary is None else len(auxiliary)
+    if len(values) != problem.num_variables + extra:
         return False
-    integer = values[problem.integrality]
+    integer = values[: problem.num_variables][problem.integrality]
+    if auxiliary is not None:
+        integer = np.concatenate([integer, values[problem.num_variables :][auxiliary.integral]])
     return bool(np.all(np.abs(integer - np.round(integer)) <= options.integrality_tolerance))
 
 
@@ -248,17 +383,20 @@ def solve(problem: Problem, options: SolverOptions | None = None) -> Solution:
             conflict, [problem.user_constraints[n].description for n in conflict]
         )
     info = highs.getInfo()
-    values = np.asarray(highs.getSolution().col_value)
-    if len(values) != problem.num_variables:
+    plan = outcome.plan
+    values = plan.values if plan is not None else np.asarray(highs.getSolution().col_value)
+    auxiliary = _auxiliary(problem, names)
+    if len(values) != problem.num_variables + (0 if auxiliary is None else len(auxiliary)):
         raise RuntimeError(f"HiGHS returned no solution (status: {status})")
-    if status.lower() != "optimal" and info.primal_solution_status != _FEASIBLE:
+    feasible = plan is not None or info.primal_solution_status == _FEASIBLE
+    if status.lower() != "optimal" and not feasible:
         raise RuntimeError(
             f"the solver stopped ({status}) after {elapsed:.0f} s before it found a plan that "
             f"meets every constraint ({problem.num_variables} variables); give it more time "
             "(AutoParallel(..., time_limit_s=...)) or make the problem smaller (fewer or "
             "looser constraints, a smaller mesh)"
         )
-    objective = float(info.objective_function_value)
+    objective = plan.objective if plan is not None else float(info.objective_function_value)
     # an integral relaxation is a proven optimum: its objective is also the bound; relax
     # and fix is bounded by the relaxation's objective
     bound = outcome.bound if outcome.bound is not None else float(info.mip_dual_bound)
@@ -282,11 +420,16 @@ def solve(problem: Problem, options: SolverOptions | None = None) -> Solution:
         bound=bound,
         gap=gap,
         time_s=elapsed,
-        num_variables=problem.num_variables,
+        num_variables=problem.num_variables + (0 if auxiliary is None else len(auxiliary)),
         num_constraints=problem.num_constraints,
         method=outcome.method if problem.integrality.any() else "mip",
     )
-    return Solution(choice=choice, stats=stats)
+    extra = (
+        {}
+        if auxiliary is None
+        else dict(zip(auxiliary.names, values[problem.num_variables :].tolist()))
+    )
+    return Solution(choice=choice, stats=stats, auxiliary=extra)
 
 
 def _minimal_conflict(problem: Problem, names: list[str], options: SolverOptions) -> list[str]:

@@ -33,7 +33,6 @@ forward and backward that are freed within the phase, and the allocator's fragme
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,7 +40,14 @@ import torch
 import torch.fx as fx
 
 from autoparallel.solver.constraints import distinct_param_nodes
-from autoparallel.trace.view_ops import is_view_node, parameter_views
+from autoparallel.solver.recompute import (
+    recompute_classes,
+    recompute_columns,
+    recompute_moment_parts,
+    recomputed_layers,
+)
+from autoparallel.trace.layer_regions import forward_layers
+from autoparallel.trace.view_ops import parameter_views, storage_root
 from autoparallel.types.graph import JointGraph, layer_of
 from autoparallel.types.memory import (
     GatherGroup,
@@ -59,16 +65,22 @@ NON_LAYER = "the non-layer parameters"
 
 
 def memory_model(problem: Problem) -> MemoryModel:
-    """The problem's memory model, built on first use for ``problem.memory_optimizer``."""
+    """The problem's memory model, built on first use for ``problem.memory_optimizer`` and
+    ``problem.activation_checkpointing``."""
     if problem.memory is None:
-        problem.memory = build_memory_model(problem, problem.memory_optimizer)
+        problem.memory = build_memory_model(
+            problem, problem.memory_optimizer, problem.activation_checkpointing == "auto"
+        )
     return problem.memory
 
 
-def build_memory_model(problem: Problem, optimizer: str | float) -> MemoryModel:
+def build_memory_model(
+    problem: Problem, optimizer: str | float, recompute: bool = False
+) -> MemoryModel:
     """The bytes each strategy and move of ``problem`` costs per device (module doc), with
     ``optimizer``'s state (a name of ``types.memory.OPTIMIZERS`` or bytes per parameter
-    element; ValueError otherwise)."""
+    element; ValueError otherwise); with ``recompute``, the layers activation
+    checkpointing may recompute (solver/recompute.py)."""
     state = optimizer_state(optimizer)
     mesh_shape = problem.space.mesh_shape
     parameters, gradients, states, temporaries = [], [], [], []
@@ -89,6 +101,11 @@ def build_memory_model(problem: Problem, optimizer: str | float) -> MemoryModel:
         temporaries.append(NodeBytes(node, local * state.step_temporaries))
     activations, layers = _activations(problem, mesh_shape)
     saved_gathers = _saved_gathers(problem)
+    classes = (
+        recompute_classes(problem, activations, saved_activations(problem.joint))
+        if recompute
+        else ()
+    )
     return MemoryModel(
         optimizer=state,
         parameters=tuple(parameters),
@@ -99,6 +116,7 @@ def build_memory_model(problem: Problem, optimizer: str | float) -> MemoryModel:
         activation_layers=tuple(layers),
         saved_gathers=tuple(saved_gathers),
         gather_groups=tuple(_gather_groups(problem, {m.edge for m in saved_gathers})),
+        recompute=classes,
     )
 
 
@@ -112,21 +130,27 @@ def memory_constraint_of(
     Raises ValueError for a budget that is not positive."""
     if not budget > 0:
         raise ValueError(f"memory budget must be a positive number of bytes, got {budget}")
-    rows = []
+    columns, rows, saving = None, [], _NO_TERM
+    if model.recompute:
+        columns, rows, saving = recompute_columns(problem, model.recompute)
     seen: set[tuple[bytes, bytes]] = set()
     moves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # edge -> its (columns, bytes)
-    for parts in _moments(model):
-        row = _row(problem, parts, budget, moves)
+    for parts, recomputed in _moments(model):
+        row = _row(problem, parts, budget, moves, saving if recomputed else _NO_TERM)
         key = (row.columns.tobytes(), row.values.tobytes())
         if key not in seen:
             seen.add(key)
             rows.append(row)
     smallest = smallest_peak(model)
     description = (
-        f"peak memory per device <= {_gib(budget)} with {model.optimizer.name} "
-        f"(the smallest peak any plan can reach is at least {_gib(smallest)})"
+        f"peak memory per device <= {_gib(budget)} with {model.optimizer.name}"
+        + (", recomputing layers where it pays" if model.recompute else "")
+        + f" (the smallest peak any plan can reach is at least {_gib(smallest)})"
     )
-    return UserConstraint(name, description, rows)
+    return UserConstraint(name, description, rows, columns)
+
+
+_NO_TERM = (np.zeros(0, np.int64), np.zeros(0))
 
 
 def smallest_peak(model: MemoryModel) -> float:
@@ -134,16 +158,26 @@ def smallest_peak(model: MemoryModel) -> float:
     smallest = {id(part): float(part.per_strategy.min()) for part in _all_parts(model)}
     start = sum(smallest[id(p)] for p in model.parameters + model.optimizer_state)
     backward = start + sum(smallest[id(p)] for p in model.activations)
+    if model.recompute:  # every layer recomputed, one layer's inner activations back
+        inner = [sum(float(p.per_strategy.min()) for p in cls.inner) for cls in model.recompute]
+        backward -= sum(len(cls.layers) * i for cls, i in zip(model.recompute, inner))
+        backward += max(inner)
     step = start + sum(smallest[id(p)] for p in model.gradients + model.step_temporaries)
     return max(backward, step)
 
 
-def _moments(model: MemoryModel) -> list[list[NodeBytes | MoveBytes]]:
-    """The terms of each moment that can be the peak (see MemoryModel)."""
+def _moments(model: MemoryModel) -> list[tuple[list[NodeBytes | MoveBytes], bool]]:
+    """The terms of each moment that can be the peak (see MemoryModel), each with whether
+    the recomputed layers' inner activations come off it (the backward start)."""
     resident = list(model.parameters + model.optimizer_state)
     step = resident + list(model.gradients + model.step_temporaries)
     backward = resident + list(model.activations) + list(model.saved_gathers)
-    return [step] + [backward + list(gathers) for gathers in _alive_gathers(model)]
+    moments = [(step, False)]
+    for gathers in _alive_gathers(model):
+        moments.append((backward + list(gathers), True))
+        for parts in recompute_moment_parts(model.recompute):
+            moments.append((backward + list(gathers) + parts, False))
+    return moments
 
 
 def _alive_gathers(model: MemoryModel) -> list[tuple[MoveBytes, ...]]:
@@ -160,10 +194,11 @@ def _row(
     parts: Sequence[NodeBytes | MoveBytes],
     budget: float,
     moves: dict[int, tuple[np.ndarray, np.ndarray]],
+    term: tuple[np.ndarray, np.ndarray] = _NO_TERM,
 ) -> Row:
-    """The row ``sum(parts) <= budget`` (MiB); ``moves`` caches each edge's columns and bytes
-    (folded layers share edges' rows)."""
-    columns, values = [], []
+    """The row ``sum(parts) + term <= budget`` (MiB; ``term``: columns and MiB already);
+    ``moves`` caches each edge's columns and bytes (folded layers share edges' rows)."""
+    columns, values = [term[0]], [term[1] * MIB]
     for part in parts:
         if isinstance(part, NodeBytes):
             columns.append(problem.node_columns[part.node])
@@ -201,18 +236,39 @@ def _move_bytes(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def estimate_memory(
-    problem: Problem, choice: dict[fx.Node, int], budget: float | None = None
+    problem: Problem,
+    choice: dict[fx.Node, int],
+    budget: float | None = None,
+    recompute_counts: dict[str, int] | None = None,
 ) -> MemoryEstimate:
-    """The bytes per device of each component under ``choice`` (``plan.memory``)."""
+    """The bytes per device of each component under ``choice`` (``plan.memory``), with
+    ``recompute_counts`` layers of each recompute class (by label) recomputed."""
     model = memory_model(problem)
+    counts = recompute_counts or {}
 
     def total(parts: Sequence[NodeBytes]) -> float:
         return float(sum(part.per_strategy[choice[part.node]] for part in parts))
 
     parameters, gradients = total(model.parameters), total(model.gradients)
     states, temporaries = total(model.optimizer_state), total(model.step_temporaries)
-    kept = [_gathered_bytes(problem, move, choice) for move in model.saved_gathers]
-    activations = total(model.activations) + sum(kept)
+    readers = parameter_views(problem.joint)
+    recomputed = recomputed_layers(model.recompute, counts)
+    by_layer: dict[str, float] = {}
+    for part, layer in zip(model.activations, model.activation_layers):
+        by_layer[layer] = by_layer.get(layer, 0.0) + float(part.per_strategy[choice[part.node]])
+    kept = 0.0  # the saved gathers: a recomputed layer gathers again in its backward
+    for move in model.saved_gathers:
+        name = readers.get(problem.tables.edges[move.edge].producer, "")
+        layer = layer_of(name).removesuffix(".") or NON_LAYER
+        value = 0.0 if layer in recomputed else _gathered_bytes(problem, move, choice)
+        by_layer[layer] = by_layer.get(layer, 0.0) + value
+        kept += value
+    inner = {cls.label: total(cls.inner) for cls in model.recompute}
+    for cls in model.recompute:
+        for layer in cls.chosen(counts.get(cls.label, 0)):
+            by_layer[layer] = by_layer.get(layer, 0.0) - inner[cls.label]
+    all_saved = total(model.activations)
+    activations = all_saved + kept - sum(counts.get(c, 0) * i for c, i in inner.items())
     gathered = max(
         (
             sum(_gathered_bytes(problem, m, choice) for m in alive)
@@ -220,28 +276,37 @@ def estimate_memory(
         ),
         default=0.0,
     )
-    at_backward = parameters + states + activations + gathered
-    at_step = parameters + gradients + states + temporaries
-    by_layer: dict[str, float] = {}
-    for part, layer in zip(model.activations, model.activation_layers):
-        by_layer[layer] = by_layer.get(layer, 0.0) + float(part.per_strategy[choice[part.node]])
-    readers = parameter_views(problem.joint)
-    for move, value in zip(model.saved_gathers, kept):
-        name = readers.get(problem.tables.edges[move.edge].producer, "")
-        layer = layer_of(name).removesuffix(".") or NON_LAYER
-        by_layer[layer] = by_layer.get(layer, 0.0) + value
-    backward_peak = at_backward >= at_step
+    resident = parameters + states
+    moments = {
+        "start of the backward": resident + activations + gathered,
+        "optimizer step": resident + gradients + temporaries,
+    }
+    used = [c for c in model.recompute if counts.get(c.label, 0) > 0]
+    if used:  # the backward of a recomputed layer (solver/recompute.py)
+        freed = sum(len(c.layers) * inner[c.label] for c in model.recompute)
+        back = max(inner[c.label] for c in used)
+        moments["backward of a recomputed layer"] = (
+            resident + all_saved + kept - freed + back + gathered
+        )
+    peak_at = max(moments, key=moments.__getitem__)
     return MemoryEstimate(
         optimizer=model.optimizer.name,
         parameters=parameters,
         gradients=gradients,
         optimizer_state=states,
         activations=activations,
-        transient=gathered if backward_peak else temporaries,
-        peak=max(at_backward, at_step),
-        peak_at="start of the backward" if backward_peak else "optimizer step",
+        # at a recomputed layer's backward, its activations are back on top of the saved
+        transient=(
+            temporaries
+            if peak_at == "optimizer step"
+            else moments[peak_at] - resident - activations
+        ),
+        peak=moments[peak_at],
+        peak_at=peak_at,
         budget=budget,
+        recomputed=recomputed,
         activations_by_layer=tuple(by_layer.items()),
+        recompute_us=sum(counts.get(c.label, 0) * total(c.forward_us) for c in model.recompute),
     )
 
 
@@ -266,26 +331,13 @@ def _activations(
     A saved view keeps its base's whole storage: values are grouped by the node whose
     storage they view (through view ops and the items of a splitting view), which is
     counted once at its own size, whether or not it is saved itself."""
-    joint = problem.joint
-    readers = parameter_views(joint)
-    inputs = set(joint.user_inputs)
-    saved = {
-        producer
-        for producer in _read_by_backward(joint)
-        if (producer in joint.forward_nodes and producer.op == "call_function")
-        or producer in inputs
-    }
-    layer_at: dict[fx.Node, str] = {node: NON_LAYER for node in joint.user_inputs}
-    layer = NON_LAYER
-    for node in joint.graph.nodes:
-        if node in joint.forward_nodes and node.op == "call_function":
-            read = [layer_of(readers[a]) for a in node.all_input_nodes if a in readers]
-            layer = next((name.removesuffix(".") for name in read if name), layer)
-            layer_at[node] = layer
+    readers = parameter_views(problem.joint)
+    saved = saved_activations(problem.joint)
+    layer_at = {node: label or NON_LAYER for node, label in forward_layers(problem.joint).items()}
     roots: dict[fx.Node, None] = {}  # ordered set
     for node in layer_at:
         if node in saved:
-            root = _storage_root(node)
+            root = storage_root(node)
             if root not in readers and root in problem.space.nodes:
                 roots[root] = None
     parts = [NodeBytes(root, _strategy_bytes(problem, root, mesh_shape)) for root in roots]
@@ -312,6 +364,18 @@ def _saved_gathers(problem: Problem) -> list[MoveBytes]:
     ]
 
 
+def saved_activations(joint: JointGraph) -> set[fx.Node]:
+    """The forward ops' values and user inputs the backward reads (what the runtime saves,
+    parameters aside)."""
+    inputs = set(joint.user_inputs)
+    return {
+        producer
+        for producer in _read_by_backward(joint)
+        if (producer in joint.forward_nodes and producer.op == "call_function")
+        or producer in inputs
+    }
+
+
 def _read_by_backward(joint: JointGraph) -> set[fx.Node]:
     """Every node an op of the backward reads (computed there or saved from before)."""
     return {
@@ -320,18 +384,6 @@ def _read_by_backward(joint: JointGraph) -> set[fx.Node]:
         if node.op == "call_function" and node not in joint.forward_nodes
         for producer in node.all_input_nodes
     }
-
-
-def _storage_root(node: fx.Node) -> fx.Node:
-    """The node whose output's storage ``node``'s output is (itself unless a view)."""
-    while True:
-        base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        if base is None:
-            return node
-        if is_view_node(node) or (node.target is operator.getitem and is_view_node(base)):
-            node = base
-            continue
-        return node
 
 
 def _gather_groups(problem: Problem, saved: set[int]) -> list[GatherGroup]:

@@ -7,8 +7,9 @@ compared.
 
 from __future__ import annotations
 
-from autoparallel.solver.memory import estimate_memory
+from autoparallel.solver.memory import estimate_memory, memory_model
 from autoparallel.solver.overlap import window_times
+from autoparallel.solver.recompute import recompute_counts
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, Placements
 from autoparallel.types.plan import (
@@ -114,7 +115,10 @@ def build_plan(
     optimizer = sum(n.compute_us for n in nodes.values() if n.phase == "placeholder")
     if joint.param_grads:
         optimizer += tables.topology.hardware.optimizer_step_us  # once per step
+    counts = recompute_counts(memory_model(problem).recompute, solution.auxiliary)
+    memory = estimate_memory(problem, choice, problem.memory_budget, counts)
     compute = sum(n.compute_us for n in nodes.values() if n.phase != "placeholder") + optimizer
+    compute += memory.recompute_us  # the recomputed layers' forward, again in the backward
     comm = sum(n.comm_us for n in nodes.values()) + sum(b.latency_us for b in buckets)
     transition = sum(n.transition_us for n in nodes.values())
     overlaps = _overlaps(problem, choice)
@@ -135,7 +139,8 @@ def build_plan(
         buckets=buckets,
         overlaps=overlaps,
         priced_on=tables.topology.hardware.name,
-        memory=estimate_memory(problem, choice, problem.memory_budget),
+        memory=memory,
+        recompute=memory.recomputed,
     )
 
 

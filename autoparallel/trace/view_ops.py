@@ -78,3 +78,16 @@ def parameter_views(joint: JointGraph) -> dict[fx.Node, str]:
             if len(names) == 1 and None not in names:
                 found[node] = names.pop()
     return found
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node whose output's storage ``node``'s output is (itself unless a view, or an
+    item of a splitting view)."""
+    while True:
+        base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if base is None:
+            return node
+        if is_view_node(node) or (node.target is operator.getitem and is_view_node(base)):
+            node = base
+            continue
+        return node

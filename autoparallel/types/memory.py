@@ -85,6 +85,27 @@ class GatherGroup:
 
 
 @dataclass(frozen=True)
+class RecomputeClass:
+    """Numbered layers that cost and save the same when recomputed (repeated layers folded
+    alike, or one layer alone): the solver picks how many of them the backward recomputes,
+    and the runtime recomputes the first that many in forward order.
+
+    ``inner``: the activations one of these layers stops saving, per strategy of the nodes
+    whose columns the layers share; ``forward_us``: the compute its forward costs again in
+    the backward (NodeBytes's per-strategy values in microseconds here).
+    """
+
+    label: str  # "layers.0" or "layers.1 .. layers.30"
+    layers: tuple[str, ...]
+    inner: tuple[NodeBytes, ...]
+    forward_us: tuple[NodeBytes, ...]
+
+    def chosen(self, count: int) -> tuple[str, ...]:
+        """The layers recomputed when the plan recomputes ``count`` of them."""
+        return self.layers[:count]
+
+
+@dataclass(frozen=True)
 class MemoryModel:
     """The per-device bytes of a training step, linear in the strategies (solver/memory.py).
 
@@ -94,6 +115,10 @@ class MemoryModel:
       (with the redistributed parameter reads saved, ``saved_gathers``) + the parameter
       gathers alive then (two groups: one computing, one prefetched);
     * **optimizer step**: parameters + gradients + optimizer state + the step's temporaries.
+
+    With recomputed layers the start of the backward holds their saved activations less
+    their ``inner`` ones, and a third moment appears: the backward of the first recomputed
+    layer it reaches, with that layer's inner activations back (see solver/recompute.py).
     """
 
     optimizer: OptimizerState
@@ -105,6 +130,8 @@ class MemoryModel:
     activation_layers: tuple[str, ...]  # activations[i] is saved by that layer
     saved_gathers: tuple[MoveBytes, ...]  # redistributed parameter reads the backward reads
     gather_groups: tuple[GatherGroup, ...]
+    # the layers activation checkpointing may recompute, by class (empty: not built)
+    recompute: tuple[RecomputeClass, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,7 +141,8 @@ class MemoryEstimate:
     ``transient`` is what lives only around the peak (gathered parameters, the optimizer
     step's temporaries); ``peak`` = the components alive at ``peak_at`` (see
     :class:`MemoryModel`). ``budget`` is the memory constraint's, None without one.
-    ``recomputed`` names what activation checkpointing recomputes (none yet).
+    ``recomputed`` names the layers activation checkpointing recomputes and
+    ``recompute_us`` what their forward costs again in the backward.
     ``activations_by_layer`` splits ``activations`` by the layer that saves them.
     """
 
@@ -129,6 +157,7 @@ class MemoryEstimate:
     budget: float | None = None
     recomputed: tuple[str, ...] = ()
     activations_by_layer: tuple[tuple[str, float], ...] = ()
+    recompute_us: float = 0.0
 
     @property
     def fits(self) -> bool:

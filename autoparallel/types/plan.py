@@ -35,6 +35,8 @@ class SolverStats:
 class Solution:
     choice: dict[fx.Node, int]
     stats: SolverStats
+    # values of the constraints' auxiliary columns by name (types/problem.AuxiliaryColumns)
+    auxiliary: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,9 @@ class Plan:
     priced_on: str = ""
     # predicted bytes per device of a training step (solver/memory.py)
     memory: MemoryEstimate | None = None
+    # numbered layers (``"layers.3"``) whose forward the backward recomputes instead of
+    # keeping its activations (activation checkpointing, trace/layer_regions.py)
+    recompute: tuple[str, ...] = ()
 
     def redistributions(self) -> list[tuple[str, ArgumentCost]]:
         """Every (consumer node name, argument) where a collective or local reshard happens."""

@@ -63,13 +63,32 @@ class EdgeMove:
     comm_us: float
 
 
+@dataclass(frozen=True)
+class AuxiliaryColumns:
+    """Columns a constraint adds after the problem's own (``Problem.num_variables`` of
+    them), e.g. how many layers the memory constraint recomputes. Column ``i`` here is
+    column ``num_variables + i`` in the constraint's rows; at most one constraint of a
+    problem has them."""
+
+    names: tuple[str, ...]
+    objective: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+    integral: np.ndarray  # bool per column
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 @dataclass
 class UserConstraint:
-    """A named constraint the user asked for; ``rows`` are added to the structural ones."""
+    """A named constraint the user asked for; ``rows`` are added to the structural ones,
+    ``columns`` (if any) to the problem's columns."""
 
     name: str
     description: str
     rows: list[Row]
+    columns: AuxiliaryColumns | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +161,8 @@ class Problem:
     memory: MemoryModel | None = None
     memory_optimizer: str | float = "adamw"
     memory_budget: float | None = None
+    # "auto": the memory constraint may recompute layers (solver/recompute.py); "off"
+    activation_checkpointing: str = "off"
     # (edge, pair) -> objective saving of each bucket member, indexed by set_buckets
     _savings: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
     _shares: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
@@ -237,8 +258,17 @@ class Problem:
     def add_constraint(self, constraint: UserConstraint) -> str:
         if constraint.name in self.user_constraints:
             raise ValueError(f"a constraint named {constraint.name!r} already exists")
+        if constraint.columns is not None and self.auxiliary_owner() is not None:
+            raise ValueError(
+                f"constraint {constraint.name!r} adds columns, and so does "
+                f"{self.auxiliary_owner()!r}: remove that one first"
+            )
         self.user_constraints[constraint.name] = constraint
         return constraint.name
+
+    def auxiliary_owner(self) -> str | None:
+        """The user constraint that adds columns, if any (see AuxiliaryColumns)."""
+        return next((n for n, c in self.user_constraints.items() if c.columns is not None), None)
 
     def remove_constraints(self, names: list[str]) -> None:
         unknown = [n for n in names if n not in self.user_constraints]
