@@ -8,7 +8,6 @@ and full (gathered) tensors that the test compares with the single-process refer
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from planning import budget_only_recomputing_meets
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -32,7 +32,6 @@ LLAMA = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512)
 LLAMA_DEEP = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512, n_layers=6)
 STEPS = 3
 LR = 1e-3
-RECOMPUTED = ("layers.0", "layers.1")  # every layer of LLAMA
 TOLERANCE = 1e-4  # losses, gradients and parameters against the single-device run
 
 
@@ -70,7 +69,7 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
     with AutoParallel(model, lambda: torch.empty_like(example), mesh, hardware="cpu") as autop:
         autop.add_input_constraints([batch_sharded])
         autop.add_output_constraints([batch_sharded])
-        if kind.startswith("fsdp"):
+        if kind == "fsdp":
             autop.add_parameter_memory_constraint()
         if kind == "tp":
             optimizer = autop.sharding_optimizer
@@ -88,9 +87,10 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
             optimizer = autop.sharding_optimizer
             for node in optimizer.problem.joint.params.values():
                 optimizer.add_node_constraint(node, (Replicate(),) * mesh.ndim)
+        if kind == "recompute":  # a budget only recomputing a layer meets
+            budget = budget_only_recomputing_meets(autop.sharding_optimizer)
+            autop.add_memory_constraint(budget, activation_checkpointing="auto")
         plan = autop.optimize_placement()
-        if kind.endswith("+recompute"):  # the runtime recomputes the layers the plan names
-            plan = dataclasses.replace(plan, recompute=RECOMPUTED)
         parallel = autop.apply_placement(plan)
     return plan, parallel
 
@@ -166,6 +166,7 @@ def _train(
     reference_out = reference_model(model_name)(global_batches(model_name)[0]).detach()
     result: dict[str, Any] = {
         "losses": [],
+        "recompute": plan.recompute,
         "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()},
     }
     result["layers_traced_once"] = any("identical layers" in message for message in trace_logs)
@@ -255,6 +256,7 @@ def memory_matches_plan(rank: int, world_size: int, kind: str) -> dict[str, Any]
     )
     return {
         "placements": sorted({str(p) for p in plan.param_placements.values()}),
+        "recompute": plan.recompute,
         "predicted": measured.predicted,
         "measured": {
             name: getattr(measured, name)
@@ -574,6 +576,8 @@ def check_parallel_training(
         assert rank0["heads_gathered"]
     elif kind == "fsdp":
         assert all("S(" in p for p in placements.values() if p), placements
+    elif kind == "recompute":
+        assert rank0["recompute"], "the budget needs a recomputed layer"
     else:
         assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), (
             placements

@@ -4,12 +4,13 @@ module really holds (gloo ranks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from conftest import meta
-from planning import TINY_PLAN_ARGS, Replicate, Shard
+from planning import TINY_PLAN_ARGS, Replicate, Shard, budget_only_recomputing_meets
 from runtime_cases import memory_matches_plan
 from test_report_cli import run_cli
 
@@ -135,10 +136,99 @@ def test_layers_fold_into_identical_rows(fake_mesh):
         assert len(rows) <= 5
 
 
-@pytest.mark.parametrize("kind", ["ddp-pinned", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp-pinned", "fsdp", "recompute"])
 def test_predicted_memory_is_what_the_runtime_holds(ranks, kind):
     """Parameters, gradients, AdamW state and saved activations: the bytes plan.memory
-    predicts are the bytes the parallel module holds after a step, on every rank."""
+    predicts are the bytes the parallel module holds after a step, on every rank (with
+    the layers the solver chose recomputed in the backward, not saved)."""
     for result in ranks(2).run(memory_matches_plan, kind, timeout_s=240):
+        assert bool(result["recompute"]) == (kind == "recompute")
         for name, measured in result["measured"].items():
             assert result["predicted"][name] == pytest.approx(measured, rel=1e-6), name
+
+
+# ---------------------------------------------------------------------------- recomputation
+
+
+def _tiny_llama_session(mesh, **config):
+    model = meta(lambda: Llama(llama_config("tiny", n_layers=2, **config)))
+    autop = AutoParallel(model, lambda: torch.randint(0, 256, (8, 32)), mesh, hardware="cpu")
+    autop.__enter__()
+    autop.add_input_constraints([(Shard(0),)])
+    autop.add_output_constraints([(Shard(0),)])
+    return autop
+
+
+def test_the_solver_recomputes_layers_only_where_a_budget_needs_it(fake_mesh):
+    autop = _tiny_llama_session(fake_mesh((2,)))
+    free = autop.optimize_placement()
+    autop.add_memory_constraint(1.05 * free.memory.peak, activation_checkpointing="auto")
+    roomy = autop.optimize_placement()
+    assert roomy.recompute == () and roomy.memory.recompute_us == 0
+
+    budget = budget_only_recomputing_meets(autop.sharding_optimizer)
+    with pytest.raises(InfeasibleConstraintsError, match="smallest peak"):
+        autop.add_memory_constraint(budget)  # no plan fits without recomputing
+    autop.add_memory_constraint(budget, activation_checkpointing="auto")
+    plan = autop.optimize_placement()
+    assert plan.recompute and set(plan.recompute) <= {"layers.0", "layers.1"}
+    assert plan.memory.recomputed == plan.recompute and plan.memory.peak <= budget
+    by_layer = dict(plan.memory.activations_by_layer)
+    kept = dict(roomy.memory.activations_by_layer)
+    assert all(by_layer[layer] < kept[layer] for layer in plan.recompute)
+    # recomputing costs its forward again: in the plan's compute and total
+    assert plan.memory.recompute_us > 0
+    compute = sum(n.compute_us for n in plan.nodes.values() if n.phase != "placeholder")
+    assert plan.totals.compute_us == pytest.approx(
+        compute + plan.totals.optimizer_us + plan.memory.recompute_us
+    )
+    autop.__exit__(None, None, None)
+
+
+def test_the_log_json_and_html_name_the_recomputed_layers(fake_mesh):
+    autop = _tiny_llama_session(fake_mesh((2,)))
+    budget = budget_only_recomputing_meets(autop.sharding_optimizer)
+    autop.add_memory_constraint(budget, activation_checkpointing="auto")
+    plan = autop.optimize_placement()
+    data = json.loads(json.dumps(autop.sharding_optimizer.get_json()))
+    assert data["memory"]["recomputed"] == list(plan.recompute)
+    assert data["memory"]["recompute_us"] == pytest.approx(plan.memory.recompute_us)
+    from autoparallel.report.text import memory_lines
+
+    assert any("recomputed in the backward" in line for line in memory_lines(data))
+    html = render_html(data)
+    assert "Recomputed in the backward" in html and "(recomputed)" in html
+    autop.__exit__(None, None, None)
+
+
+def test_a_layer_that_draws_random_numbers_is_never_recomputed(fake_mesh):
+    """Recomputing dropout in the backward would draw another mask: such layers keep their
+    activations, and a budget only recomputing could meet is reported as infeasible."""
+    autop = _tiny_llama_session(fake_mesh((2,)), dropout=0.1)
+    free = autop.optimize_placement()
+    budget = budget_only_recomputing_meets(autop.sharding_optimizer)
+    with pytest.raises(InfeasibleConstraintsError, match="smallest peak"):
+        autop.add_memory_constraint(budget, activation_checkpointing="auto")
+    opt = autop.sharding_optimizer
+    assert opt.problem.memory.recompute == ()  # no layer to recompute
+    from autoparallel.runtime.module import apply_placement
+    from autoparallel.trace.layer_regions import RecomputeError
+
+    with pytest.raises(RecomputeError, match="draws random numbers"):
+        apply_placement(
+            autop.model,
+            opt.problem.joint,
+            opt.problem.space,
+            dataclasses.replace(free, recompute=("layers.0",)),
+            autop.mesh,
+        )
+    autop.__exit__(None, None, None)
+
+
+def test_activation_checkpointing_takes_off_or_auto_and_the_cli_needs_a_budget(fake_mesh):
+    autop = _tiny_llama_session(fake_mesh((2,)))
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        autop.add_memory_constraint(1e12, activation_checkpointing="all")
+    autop.__exit__(None, None, None)
+    result = run_cli(*TINY_PLAN_ARGS, "--activation-checkpointing", "auto", "--no-save")
+    assert result.returncode != 0 and "needs --memory-budget" in result.stderr

@@ -8,6 +8,9 @@ import pytest
 from runtime_cases import check_parallel_training
 
 
-@pytest.mark.parametrize("model_name,shape,kind", [("mlp", (2, 2), "tp"), ("llama", (2,), "fsdp")])
+# the LLaMA's plan recomputes a layer and shards some parameters
+@pytest.mark.parametrize(
+    "model_name,shape,kind", [("mlp", (2, 2), "tp"), ("llama", (2,), "recompute")]
+)
 def test_compiled_training_matches_single_device(ranks, references, model_name, shape, kind):
     check_parallel_training(ranks, references(model_name), model_name, shape, kind, compiled=True)

@@ -64,6 +64,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
+    dropout: float = 0.0  # on each block's residual branches (in training mode); 0: none
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -288,11 +289,17 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
+        self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Map ``[batch, seq, dim]`` to ``[batch, seq, dim]``."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self._drop(self.attention(self.attention_norm(x), cos, sin))
+        return h + self._drop(self.feed_forward(self.ffn_norm(h)))
+
+    def _drop(self, branch: torch.Tensor) -> torch.Tensor:
+        if not self.dropout:
+            return branch
+        return nn.functional.dropout(branch, self.dropout, self.training)
 
 
 class Llama(nn.Module):
