@@ -198,7 +198,7 @@ class AutoParallel:
         ``activation_checkpointing="auto"`` lets the solver recompute numbered layers in
         the backward instead of saving their activations, where that is the cheapest way to
         fit; ``plan.recompute`` names them and the parallel module recomputes exactly those.
-        "off" (the default) keeps every activation.
+        "all" recomputes every layer that can be; "off" (the default) keeps every activation.
 
         Raises InfeasibleConstraintsError when no plan fits, with a lower bound on the
         smallest peak any plan reaches.

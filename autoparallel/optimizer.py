@@ -43,9 +43,9 @@ logger = logging.getLogger(__name__)
 MEMORY_CONSTRAINT = "memory"
 """The name of the constraint :meth:`ShardingOptimizer.add_memory_constraint` adds."""
 
-ACTIVATION_CHECKPOINTING = ("off", "auto")
-"""What the memory constraint may do about saved activations: keep them all, or recompute
-layers where the solver finds it pays (solver/recompute.py)."""
+ACTIVATION_CHECKPOINTING = ("off", "auto", "all")
+"""What the memory constraint does about saved activations: keep them all, recompute layers
+where the solver finds it pays, or recompute every layer that can be (solver/recompute.py)."""
 
 REFITS = 3
 """Re-solves at most after the prices that follow the plan were refitted (see resolve)."""
@@ -107,7 +107,8 @@ class ShardingOptimizer:
         optimizer keeps: "adamw" (default), "adam", "sgd", "sgd-momentum", or bytes per
         parameter element. ``activation_checkpointing="auto"`` lets the solver recompute
         layers in the backward instead of saving their activations, where that is the
-        cheapest way to fit (``plan.recompute`` names them; solver/recompute.py); "off"
+        cheapest way to fit (``plan.recompute`` names them; solver/recompute.py); "all"
+        recomputes every layer that can be (no random numbers in its forward); "off"
         (default) never recomputes. Replaces an earlier memory constraint; returns its name.
 
         Raises InfeasibleConstraintsError when no plan can fit, naming a lower bound on the
@@ -122,8 +123,10 @@ class ShardingOptimizer:
         name = MEMORY_CONSTRAINT
         if name in self.problem.user_constraints:
             self.remove_constraints([name])
-        model = build_memory_model(self.problem, optimizer, activation_checkpointing == "auto")
-        constraint = memory_constraint_of(self.problem, model, name, float(budget_bytes))
+        model = build_memory_model(self.problem, optimizer, activation_checkpointing != "off")
+        constraint = memory_constraint_of(
+            self.problem, model, name, float(budget_bytes), activation_checkpointing == "all"
+        )
         if smallest_peak(model) > float(budget_bytes):
             raise InfeasibleConstraintsError([name], [constraint.description])
         self.problem.memory = model

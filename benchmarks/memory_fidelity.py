@@ -1,10 +1,12 @@
 """Predicted vs measured memory per device of our plans, component by component.
 
     python benchmarks/memory_fidelity.py [--models mlp llama-tiny] [--nproc 2]
-        [--recipes free ddp fsdp tp budget]
+        [--recipes free ddp fsdp tp budget recompute]
 
 For every model, one set of gloo ranks plans it once per recipe (``benchmarks/workloads.py``;
-``budget`` is the free plan under a peak budget of 60 % of the free plan's predicted peak),
+``budget`` is the free plan under a peak budget of 60 % of the free plan's predicted peak,
+``recompute`` under 45 % of it with ``activation_checkpointing="auto"``: the solver picks
+the layers the backward recomputes),
 trains one AdamW step, and measures on each rank, from the tensors themselves
 (:func:`autoparallel.measure_memory`), the bytes of the parameters, the gradients, the
 optimizer state and the activations the forward saves for the backward.
@@ -37,9 +39,9 @@ from autoparallel import measure_memory
 from autoparallel._testing.harness import run_distributed
 from autoparallel.runtime.memory import COMPONENTS
 
-RECIPES = ("free", "ddp", "fsdp", "tp", "budget")
-BUDGET_SHARE = 0.6
-"""The ``budget`` recipe's peak budget, as a share of the free plan's predicted peak."""
+RECIPES = ("free", "ddp", "fsdp", "tp", "budget", "recompute")
+BUDGET_SHARE = {"budget": 0.6, "recompute": 0.45}
+"""The budgeted recipes' peak budget, as a share of the free plan's predicted peak."""
 
 
 def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str]) -> dict:
@@ -58,15 +60,16 @@ def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str])
         torch.manual_seed(0)
         try:
             budget = None
-            if recipe == "budget":
+            if recipe in BUDGET_SHARE:
                 if free_peak is None:
                     free_peak = plan_ours(workload, mesh).plan.memory.peak
-                budget = BUDGET_SHARE * free_peak
+                budget = BUDGET_SHARE[recipe] * free_peak
             planned = plan_ours(
                 workload,
                 mesh,
-                recipe="free" if recipe == "budget" else recipe,
+                recipe="free" if recipe in BUDGET_SHARE else recipe,
                 memory_budget=budget,
+                activation_checkpointing="auto" if recipe == "recompute" else "off",
             )
         except Exception as exc:  # one failing recipe must not hide the others' figures
             traceback.print_exc()
@@ -87,7 +90,7 @@ def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str])
             "status": "ok",
             "placements": sorted({str(p) for p in planned.plan.param_placements.values()}),
             "predicted": {c: getattr(memory, c) for c in COMPONENTS}
-            | {"peak": memory.peak, "budget": memory.budget},
+            | {"peak": memory.peak, "budget": memory.budget, "recomputed": memory.recomputed},
             "measured": dict(zip(COMPONENTS, largest.tolist())),
         }
     return results
@@ -115,6 +118,9 @@ def _table(model: str, nproc: int, results: dict[str, dict]) -> list[str]:
             )
         peak, budget = result["predicted"]["peak"], result["predicted"]["budget"]
         within = "" if budget is None else f" (budget {_mib(budget).strip()})"
+        recomputed = result["predicted"].get("recomputed") or ()
+        if recomputed:
+            within += f", recomputing {', '.join(recomputed)}"
         lines.append(f"{recipe:<8} {'peak':<16} {_mib(peak):>10} {'-':>10}{within}")
     return lines
 

@@ -8,6 +8,14 @@ communicates (fake process group).
     python benchmarks/plan_time.py --model llama3-70b --mesh 4x8x8 --layers 80
     python benchmarks/plan_time.py --model llama3-8b --mesh 4x8x8 --layers 2 --build-only
     python benchmarks/plan_time.py --model hf-llama3-8b --mesh 8x8   # transformers' LlamaForCausalLM
+    python benchmarks/plan_time.py --model llama3-8b --mesh 8x8 --mixed-precision \
+        --memory-budget halfway --activation-checkpointing auto
+
+``--memory-budget halfway`` first plans without a memory constraint (timed apart, as
+``reference_s``) and then budgets halfway between that plan's peak and the smallest peak any
+plan could reach recomputing every layer (a lower bound); with ``--activation-checkpointing
+auto`` it also plans recomputing every layer under the same budget, so the line shows what
+recomputing only some layers saves (``every_layer_objective_us``).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -42,6 +51,35 @@ def hf_llama_like(config, seq: int):
         vocab_size=config.vocab_size,
         max_position_embeddings=max(seq, config.max_seq_len),
     )
+
+
+def halfway_budget(args, model, config, mesh, batch_sharded, mp_policy) -> tuple[dict, float]:
+    """Plan without a memory constraint; the budget halfway between that plan's peak and the
+    smallest peak any plan could reach recomputing every layer (a lower bound), in bytes."""
+    from autoparallel.solver.memory import build_memory_model, smallest_peak
+
+    start = time.perf_counter()
+    with AutoParallel(
+        model,
+        lambda: torch.randint(0, config.vocab_size, (args.batch, args.seq)),
+        mesh,
+        mp_policy,
+        hardware=args.hardware,
+        time_limit_s=args.time_limit,
+    ) as autop:
+        autop.add_input_constraints([batch_sharded])
+        autop.add_output_constraints([batch_sharded])
+        free = autop.optimize_placement()
+        smallest = smallest_peak(
+            build_memory_model(autop.sharding_optimizer.problem, "adamw", True)
+        )
+    reference = {
+        "reference_s": round(time.perf_counter() - start, 2),
+        "reference_peak_gib": round(free.memory.peak / 2**30, 3),
+        "reference_objective_us": round(free.solver.objective, 2),
+        "smallest_peak_gib": round(smallest / 2**30, 3),
+    }
+    return reference, (free.memory.peak + smallest) / 2
 
 
 def unfolded_size(problem) -> tuple[int, int]:
@@ -89,10 +127,20 @@ def main() -> None:
     )
     parser.add_argument(
         "--memory-budget",
-        type=float,
         default=None,
         help="GiB per device for the whole step's peak (AdamW), instead of the parameter "
-        "memory constraint",
+        "memory constraint; or halfway (see above)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        choices=("off", "auto", "all"),
+        default="off",
+        help="what the memory budget may recompute (AutoParallel.add_memory_constraint)",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="bf16 parameters and compute, fp32 gradient reductions (MixedPrecisionPolicy)",
     )
     args = parser.parse_args()
 
@@ -105,11 +153,23 @@ def main() -> None:
         model = hf_llama_like(config, args.seq) if args.model.startswith("hf-") else Llama(config)
     batch_sharded = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
 
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.mixed_precision
+        else None
+    )
+    reference, budget = {}, None
+    if args.memory_budget == "halfway":
+        reference, budget = halfway_budget(args, model, config, mesh, batch_sharded, mp_policy)
+    elif args.memory_budget is not None:
+        budget = float(args.memory_budget) * 2**30
+
     start = time.perf_counter()
     with AutoParallel(
         model,
         lambda: torch.randint(0, config.vocab_size, (args.batch, args.seq)),
         mesh,
+        mp_policy,
         hardware=args.hardware,
         fold=not args.no_fold,
         trace_layers_once=not args.trace_all_layers,
@@ -117,16 +177,22 @@ def main() -> None:
     ) as autop:
         autop.add_input_constraints([batch_sharded])
         autop.add_output_constraints([batch_sharded])
-        if args.memory_budget is None:
+        if budget is None:
             autop.add_parameter_memory_constraint()
         else:
-            autop.add_memory_constraint(args.memory_budget * 2**30)
+            autop.add_memory_constraint(
+                budget, activation_checkpointing=args.activation_checkpointing
+            )
         if args.no_lp_first:
             optimizer = autop.sharding_optimizer
             optimizer.options = dataclasses.replace(optimizer.options, lp_first=False)
         plan = None if args.build_only else autop.optimize_placement()
         problem = autop.sharding_optimizer.problem
-    total = time.perf_counter() - start
+        total = time.perf_counter() - start
+        every_layer = None
+        if plan is not None and budget is not None and args.activation_checkpointing == "auto":
+            autop.add_memory_constraint(budget, activation_checkpointing="all")
+            every_layer = autop.optimize_placement()
     stages = autop.stage_times_s
     variables_before, constraints_before = unfolded_size(problem)
     print(
@@ -159,8 +225,17 @@ def main() -> None:
                 "objective_us": round(plan.solver.objective, 2) if plan else None,
                 "solver_status": plan.solver.status if plan else "not solved (--build-only)",
                 "solved_by": plan.solver.method if plan else None,
-                "memory_budget_gib": args.memory_budget,
+                "memory_budget_gib": round(budget / 2**30, 3) if budget else None,
                 "predicted_peak_gib": round(plan.memory.peak / 2**30, 3) if plan else None,
+                "mixed_precision": args.mixed_precision,
+                "activation_checkpointing": args.activation_checkpointing,
+                "recomputed_layers": len(plan.recompute) if plan else None,
+                "recompute_us": round(plan.memory.recompute_us, 1) if plan else None,
+                "every_layer_objective_us": round(every_layer.solver.objective, 2)
+                if every_layer
+                else None,
+                "every_layer_recomputed": len(every_layer.recompute) if every_layer else None,
+                **reference,
                 "param_placements": sorted({str(p) for p in plan.param_placements.values()})
                 if plan
                 else None,

@@ -145,10 +145,11 @@ def plan_ours(
     hardware: str | None = None,
     memory_constraint: bool = False,
     memory_budget: float | None = None,
+    activation_checkpointing: str = "off",
 ) -> PlannedModel:
     """Plan ``workload`` on ``mesh`` (pinned to ``recipe``; with the parameter memory
-    constraint, or a peak ``memory_budget`` in bytes per device), build and init the
-    parallel module."""
+    constraint, or a peak ``memory_budget`` in bytes per device that may recompute layers
+    as ``activation_checkpointing`` says), build and init the parallel module."""
     from torch.distributed.tensor import Shard
 
     with torch.device("meta"):
@@ -161,7 +162,9 @@ def plan_ours(
         if memory_constraint:
             autop.add_parameter_memory_constraint()
         if memory_budget is not None:
-            autop.add_memory_constraint(memory_budget)
+            autop.add_memory_constraint(
+                memory_budget, activation_checkpointing=activation_checkpointing
+            )
         pin_recipe(autop, recipe, mesh.size())
         plan = autop.optimize_placement()
         check_same_plan(plan)

@@ -165,6 +165,10 @@ def test_the_solver_recomputes_layers_only_where_a_budget_needs_it(fake_mesh):
     autop.add_memory_constraint(1.05 * free.memory.peak, activation_checkpointing="auto")
     roomy = autop.optimize_placement()
     assert roomy.recompute == () and roomy.memory.recompute_us == 0
+    autop.add_memory_constraint(1.05 * free.memory.peak, activation_checkpointing="all")
+    every = autop.optimize_placement()  # every layer, whether it pays or not
+    assert every.recompute == ("layers.0", "layers.1")
+    assert every.totals.total_us > roomy.totals.total_us
 
     budget = budget_only_recomputing_meets(autop.sharding_optimizer)
     with pytest.raises(InfeasibleConstraintsError, match="smallest peak"):
@@ -225,10 +229,10 @@ def test_a_layer_that_draws_random_numbers_is_never_recomputed(fake_mesh):
     autop.__exit__(None, None, None)
 
 
-def test_activation_checkpointing_takes_off_or_auto_and_the_cli_needs_a_budget(fake_mesh):
+def test_activation_checkpointing_takes_off_auto_or_all_and_the_cli_needs_a_budget(fake_mesh):
     autop = _tiny_llama_session(fake_mesh((2,)))
     with pytest.raises(ValueError, match="activation_checkpointing"):
-        autop.add_memory_constraint(1e12, activation_checkpointing="all")
+        autop.add_memory_constraint(1e12, activation_checkpointing="sometimes")
     autop.__exit__(None, None, None)
     result = run_cli(*TINY_PLAN_ARGS, "--activation-checkpointing", "auto", "--no-save")
     assert result.returncode != 0 and "needs --memory-budget" in result.stderr

@@ -139,10 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--activation-checkpointing",
-        choices=("off", "auto"),
+        choices=("off", "auto", "all"),
         default="off",
         help="with --memory-budget: auto lets the solver recompute layers in the backward "
-        "where that is the cheapest way to fit (default off: every activation saved)",
+        "where that is the cheapest way to fit, all recomputes every layer (default off: "
+        "every activation saved)",
     )
     plan.add_argument(
         "--param-dtype",
@@ -337,8 +338,8 @@ def validate(args: argparse.Namespace) -> PlanRequest:
     memory_budget = parse_memory_budget(args.memory_budget, hardware)
     if args.activation_checkpointing != "off" and memory_budget is None:
         raise UsageError(
-            "--activation-checkpointing auto needs --memory-budget: recomputing pays only "
-            "to fit a budget"
+            f"--activation-checkpointing {args.activation_checkpointing} needs --memory-budget: "
+            "recomputing pays only to fit a budget"
         )
     return PlanRequest(
         model,

@@ -215,10 +215,13 @@ def _relaxation(highs: highspy.Highs, options: SolverOptions) -> str:
     """Solve the LP relaxation of the model ``highs`` holds; returns its status."""
     highs.setOptionValue("solve_relaxation", True)
     highs.setOptionValue("solver", options.relaxation_solver)
+    began = time.perf_counter()
     highs.run()
     highs.setOptionValue("solver", "choose")
     highs.setOptionValue("solve_relaxation", False)
-    return highs.modelStatusToString(highs.getModelStatus())
+    status = highs.modelStatusToString(highs.getModelStatus())
+    logger.debug("relaxation: %s in %.2f s", status, time.perf_counter() - began)
+    return status
 
 
 FIX_THRESHOLDS = (0.5, 0.9)
@@ -285,9 +288,13 @@ def _branch_on_counts(
     stack = [(original[0].copy(), original[1].copy(), -np.inf)]
     best: _Candidate | None = None
     bounds: list[float] = []  # the relaxations of the nodes closed without branching
+
+    def pruned(bound: float) -> bool:  # nothing below it could beat best by fix_gap
+        return best is not None and bound >= best.objective * (1 - options.fix_gap)
+
     while stack:
         lower, upper, parent = stack.pop()
-        if best is not None and parent >= best.objective * (1 - options.relative_gap):
+        if pruned(parent):
             bounds.append(parent)
             continue
         if time.perf_counter() >= deadline:
@@ -300,7 +307,7 @@ def _branch_on_counts(
             continue  # infeasible (or stopped): no plan with these counts
         objective = float(highs.getInfo().objective_function_value)
         values = np.asarray(highs.getSolution().col_value)
-        if best is not None and objective >= best.objective * (1 - options.relative_gap):
+        if pruned(objective):
             bounds.append(objective)
             continue
         at = values[counts]

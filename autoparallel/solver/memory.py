@@ -69,7 +69,7 @@ def memory_model(problem: Problem) -> MemoryModel:
     ``problem.activation_checkpointing``."""
     if problem.memory is None:
         problem.memory = build_memory_model(
-            problem, problem.memory_optimizer, problem.activation_checkpointing == "auto"
+            problem, problem.memory_optimizer, problem.activation_checkpointing != "off"
         )
     return problem.memory
 
@@ -124,15 +124,16 @@ def build_memory_model(
 
 
 def memory_constraint_of(
-    problem: Problem, model: MemoryModel, name: str, budget: float
+    problem: Problem, model: MemoryModel, name: str, budget: float, every_layer: bool = False
 ) -> UserConstraint:
-    """Every moment of the step within ``budget`` bytes per device under ``model``.
-    Raises ValueError for a budget that is not positive."""
+    """Every moment of the step within ``budget`` bytes per device under ``model``, with the
+    layers of ``model.recompute`` recomputed where the solver finds it pays (or all of them:
+    ``every_layer``). Raises ValueError for a budget that is not positive."""
     if not budget > 0:
         raise ValueError(f"memory budget must be a positive number of bytes, got {budget}")
     columns, rows, saving = None, [], _NO_TERM
     if model.recompute:
-        columns, rows, saving = recompute_columns(problem, model.recompute)
+        columns, rows, saving = recompute_columns(problem, model.recompute, every_layer)
     seen: set[tuple[bytes, bytes]] = set()
     moves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # edge -> its (columns, bytes)
     for parts, recomputed in _moments(model):
@@ -144,7 +145,11 @@ def memory_constraint_of(
     smallest = smallest_peak(model)
     description = (
         f"peak memory per device <= {_gib(budget)} with {model.optimizer.name}"
-        + (", recomputing layers where it pays" if model.recompute else "")
+        + (
+            (", recomputing every layer" if every_layer else ", recomputing layers where it pays")
+            if model.recompute
+            else ""
+        )
         + f" (the smallest peak any plan can reach is at least {_gib(smallest)})"
     )
     return UserConstraint(name, description, rows, columns)

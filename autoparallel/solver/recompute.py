@@ -104,11 +104,12 @@ def _signature(problem: Problem, inner: tuple[NodeBytes, ...], forward: tuple) -
 
 
 def recompute_columns(
-    problem: Problem, classes: Sequence[RecomputeClass]
+    problem: Problem, classes: Sequence[RecomputeClass], every_layer: bool = False
 ) -> tuple[AuxiliaryColumns, list[Row], tuple[np.ndarray, np.ndarray]]:
     """The auxiliary columns (k per class, then the z copies), their structural rows, and
     the (columns, MiB) term each backward-start memory row gets: minus the recomputed
-    layers' inner activations (module doc)."""
+    layers' inner activations (module doc). ``every_layer`` fixes each k at its class's
+    size (recompute every layer that can be)."""
     base = problem.num_variables
     names = [COUNT_PREFIX + c.label for c in classes]
     upper = [float(len(c.layers)) for c in classes]
@@ -144,10 +145,13 @@ def recompute_columns(
     count = len(names)
     integral = np.zeros(count, dtype=bool)
     integral[: len(classes)] = True
+    lower = np.zeros(count)
+    if every_layer:
+        lower[: len(classes)] = upper[: len(classes)]
     columns = AuxiliaryColumns(
         tuple(names),
         np.asarray(objective, dtype=np.float64),
-        np.zeros(count),
+        lower,
         np.asarray(upper, dtype=np.float64),
         integral,
     )
