@@ -236,3 +236,17 @@ def test_activation_checkpointing_takes_off_auto_or_all_and_the_cli_needs_a_budg
     autop.__exit__(None, None, None)
     result = run_cli(*TINY_PLAN_ARGS, "--activation-checkpointing", "auto", "--no-save")
     assert result.returncode != 0 and "needs --memory-budget" in result.stderr
+
+
+def test_a_saved_problem_keeps_what_it_recomputes(fake_mesh, tmp_path):
+    autop = _tiny_llama_session(fake_mesh((2,)))
+    budget = budget_only_recomputing_meets(autop.sharding_optimizer)
+    autop.add_memory_constraint(budget, activation_checkpointing="auto")
+    plan = autop.optimize_placement()
+    path = tmp_path / "problem.npz"
+    autop.sharding_optimizer.save(str(path))
+    autop.__exit__(None, None, None)
+    loaded = ShardingOptimizer.load(str(path))
+    assert loaded.get_solution().recompute == plan.recompute
+    again = loaded.resolve()
+    assert again.recompute == plan.recompute and again.memory.peak <= budget
