@@ -21,11 +21,13 @@ recomputing only some layers saves (``every_layer_objective_us``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import resource
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,12 +55,9 @@ def hf_llama_like(config, seq: int):
     )
 
 
-def halfway_budget(args, model, config, mesh, batch_sharded, mp_policy) -> tuple[dict, float]:
-    """Plan without a memory constraint; the budget halfway between that plan's peak and the
-    smallest peak any plan could reach recomputing every layer (a lower bound), in bytes."""
-    from autoparallel.solver.memory import build_memory_model, smallest_peak
-
-    start = time.perf_counter()
+@contextlib.contextmanager
+def session(args, model, config, mesh, batch_sharded, mp_policy, **options) -> Iterator:
+    """An AutoParallel session of the benchmark's model, batch sharded in and out."""
     with AutoParallel(
         model,
         lambda: torch.randint(0, config.vocab_size, (args.batch, args.seq)),
@@ -66,9 +65,20 @@ def halfway_budget(args, model, config, mesh, batch_sharded, mp_policy) -> tuple
         mp_policy,
         hardware=args.hardware,
         time_limit_s=args.time_limit,
+        **options,
     ) as autop:
         autop.add_input_constraints([batch_sharded])
         autop.add_output_constraints([batch_sharded])
+        yield autop
+
+
+def halfway_budget(args, model, config, mesh, batch_sharded, mp_policy) -> tuple[dict, float]:
+    """Plan without a memory constraint; the budget halfway between that plan's peak and the
+    smallest peak any plan could reach recomputing every layer (a lower bound), in bytes."""
+    from autoparallel.solver.memory import build_memory_model, smallest_peak
+
+    start = time.perf_counter()
+    with session(args, model, config, mesh, batch_sharded, mp_policy) as autop:
         free = autop.optimize_placement()
         smallest = smallest_peak(
             build_memory_model(autop.sharding_optimizer.problem, "adamw", True)
@@ -165,18 +175,16 @@ def main() -> None:
         budget = float(args.memory_budget) * 2**30
 
     start = time.perf_counter()
-    with AutoParallel(
+    with session(
+        args,
         model,
-        lambda: torch.randint(0, config.vocab_size, (args.batch, args.seq)),
+        config,
         mesh,
+        batch_sharded,
         mp_policy,
-        hardware=args.hardware,
         fold=not args.no_fold,
         trace_layers_once=not args.trace_all_layers,
-        time_limit_s=args.time_limit,
     ) as autop:
-        autop.add_input_constraints([batch_sharded])
-        autop.add_output_constraints([batch_sharded])
         if budget is None:
             autop.add_parameter_memory_constraint()
         else:
@@ -189,11 +197,11 @@ def main() -> None:
         plan = None if args.build_only else autop.optimize_placement()
         problem = autop.sharding_optimizer.problem
         total = time.perf_counter() - start
+        stages = dict(autop.stage_times_s)  # the plan's own, before the every-layer solve
         every_layer = None
         if plan is not None and budget is not None and args.activation_checkpointing == "auto":
             autop.add_memory_constraint(budget, activation_checkpointing="all")
             every_layer = autop.optimize_placement()
-    stages = autop.stage_times_s
     variables_before, constraints_before = unfolded_size(problem)
     print(
         json.dumps(
