@@ -175,7 +175,7 @@ def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) 
     start = time.perf_counter()
 
     def remaining() -> float:
-        return max(1.0, float(options.time_limit_s) - (time.perf_counter() - start))
+        return max(_MIN_STEP_S, float(options.time_limit_s) - (time.perf_counter() - start))
 
     if (
         options.lp_first
@@ -246,7 +246,7 @@ def _relax_and_fix(
             continue
         count = len(fixed)
         highs.changeColsBounds(count, fixed, np.ones(count), np.ones(count))
-        highs.setOptionValue("time_limit", max(1.0, deadline - time.perf_counter()))
+        highs.setOptionValue("time_limit", max(_MIN_STEP_S, deadline - time.perf_counter()))
         highs.run()
         status = highs.modelStatusToString(highs.getModelStatus())
         found = highs.getInfo().primal_solution_status == _FEASIBLE
@@ -301,7 +301,7 @@ def _branch_on_counts(
             bounds.append(parent)
             continue
         highs.changeColsBounds(len(counts), counts, lower, upper)
-        highs.setOptionValue("time_limit", max(1.0, deadline - time.perf_counter()))
+        highs.setOptionValue("time_limit", max(_MIN_STEP_S, deadline - time.perf_counter()))
         status = _relaxation(highs, options)
         if status.lower() != "optimal":
             continue  # infeasible (or stopped): no plan with these counts
@@ -323,7 +323,9 @@ def _branch_on_counts(
         plan = (
             _Candidate(objective, values)
             if _integral(highs, problem, auxiliary, options)
-            else _relax_and_fix(highs, problem, options, max(1.0, deadline - time.perf_counter()))
+            else _relax_and_fix(
+                highs, problem, options, max(_MIN_STEP_S, deadline - time.perf_counter())
+            )
         )
         if plan is not None and (best is None or plan.objective < best.objective):
             best = plan
@@ -371,6 +373,9 @@ def _integral(
         integer = np.concatenate([integer, values[problem.num_variables :][auxiliary.integral]])
     return bool(np.all(np.abs(integer - np.round(integer)) <= options.integrality_tolerance))
 
+
+_MIN_STEP_S = 1e-3
+"""The time limit of a solve step once the user's is spent: stop at once, keep what was found."""
 
 _FEASIBLE = 2  # HiGHS's kSolutionStatusFeasible: the values meet every row and bound
 
