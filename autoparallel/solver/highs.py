@@ -20,6 +20,13 @@ model, so the nodes the relaxation chose integrally are fixed to that choice and
 runs over the rest (seconds). Its plan is accepted when it is within ``fix_gap`` of the
 relaxation's objective, a lower bound on every plan's (``plan.solver.gap`` says how far);
 otherwise the full MIP runs, starting from it.
+
+Branch on the counts: a memory constraint that may recompute layers adds a few integer
+columns (how many layers of each class, solver/recompute.py). The relaxation spreads a count
+over a fraction of a layer, so those columns alone are branched on first (a small tree of
+relaxations, relax and fix where a node's counts come out integral, nodes pruned within
+``fix_gap`` of the best plan); the full MIP runs only if no plan comes within ``fix_gap`` of
+the smallest relaxation left.
 """
 
 from __future__ import annotations
