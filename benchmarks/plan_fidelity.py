@@ -1,13 +1,15 @@
 """Predicted vs measured step time of our plans, pinned to the hand recipes and free.
 
     python benchmarks/plan_fidelity.py --hardware profile.json [--models mlp llama-tiny llama-small]
-        [--nproc 2 4] [--steps 5] [--rounds 3] [--warmup 3] [--recipes free ddp fsdp tp] [--no-torch]
+        [--nproc 2 4] [--steps 5] [--rounds 3] [--warmup 3] [--recipes free ddp fsdp tp recompute]
+        [--no-torch]
 
 ``profile.json`` comes from ``autoparallel calibrate --nproc 2 --out profile.json`` on the same
 machine (the default, the ``cpu`` preset, is not this machine). For every model and every
 rank count, one set of gloo ranks plans the model under that hardware once per recipe (see
 ``benchmarks/workloads.py``: ``ddp``, ``fsdp``, ``tp`` pinned with node constraints on the
-parameters, ``free`` the planner's choice) and builds torch's own DDP and FSDP2 as a
+parameters, ``free`` the planner's choice, ``recompute`` the free plan recomputing every
+layer) and builds torch's own DDP and FSDP2 as a
 yardstick; then it times them round-robin, ``--rounds`` rounds of ``--steps`` AdamW steps
 each (after ``--warmup`` untimed ones), so a slow spell of this shared machine falls on all
 of them, and takes each one's median step of the slowest rank
@@ -71,6 +73,11 @@ class _Variant:
     info: dict
 
 
+RECOMPUTE_EVERY_LAYER = {"memory_budget": 1e15, "activation_checkpointing": "all"}
+"""The ``recompute`` variant: the free plan with every layer recomputed in the backward (a
+budget that never binds), to set the price of recomputation beside its measured cost."""
+
+
 def _build_variant(
     variant: str, workload_name: str, mesh: object, rank: int, world_size: int, hardware: str
 ) -> _Variant:
@@ -82,7 +89,11 @@ def _build_variant(
     elif variant == "torch-fsdp2":
         model = build_torch_fsdp2(workload, mesh)
     else:
-        planned = plan_ours(workload, mesh, recipe=variant, hardware=hardware)
+        planned = (
+            plan_ours(workload, mesh, hardware=hardware, **RECOMPUTE_EVERY_LAYER)
+            if variant == "recompute"
+            else plan_ours(workload, mesh, recipe=variant, hardware=hardware)
+        )
         model, plan = planned.module, planned.plan
         info["planning_s"] = round(planned.planning_s, 2)
         info["placements"] = sorted({str(p) for p in plan.param_placements.values()})
@@ -219,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         default=["mlp", "llama-tiny", "llama-small"],
     )
     parser.add_argument("--nproc", nargs="+", type=int, default=[2])
-    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
+    parser.add_argument(
+        "--recipes", nargs="+", choices=(*RECIPES, "recompute"), default=list(RECIPES)
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip torch's DDP and FSDP2")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument(

@@ -42,12 +42,7 @@ from autoparallel import _torch_internals as internals
 from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
 from autoparallel.runtime.shards import contiguous_strides, wrap_shard
 from autoparallel.trace.fx_args import tensor_input_nodes
-from autoparallel.trace.layer_regions import (
-    RecomputeRegion,
-    forward_layers,
-    layer_members,
-    recompute_region,
-)
+from autoparallel.trace.layer_regions import forward_layers, layer_members, recompute_region
 from autoparallel.trace.sharding_constraint import sharding_constraint_op
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import is_multi
@@ -120,19 +115,19 @@ class JointExecutor:
             if g not in backward_set
         }
         self.saved_for_backward -= set(joint.tangents.values())
-        self.recomputed = self._recompute(plan.recompute)
+        self._recompute(plan.recompute)
         self.inference_order = self._needed_for_outputs()
         self.gather_plans = {
             id(order): self._plan_gathers(order)
             for order in (self.forward_order, self.backward_order, self.inference_order)
         }
 
-    def _recompute(self, layers: Sequence[str]) -> tuple[RecomputeRegion, ...]:
+    def _recompute(self, layers: Sequence[str]) -> None:
         """Move each of ``layers``' forward regions into the backward (layer_regions.py):
         its ops run again just before the first backward op that reads one of their values,
         and the forward saves the region's inputs instead of those values."""
         if not layers:
-            return ()
+            return
         labels = forward_layers(self.joint)
         members = layer_members(labels)
         regions = tuple(
@@ -154,7 +149,6 @@ class JointExecutor:
             order.extend(inserted.get(index, ()))
             order.append(node)
         self.backward_order = order
-        return regions
 
     def _plan_gathers(self, order: Sequence[fx.Node]) -> GatherPlan:
         """Which parameter reads of ``order`` are gathered a layer at a time (param_gathers.py):

@@ -197,13 +197,13 @@ def _run(problem: Problem, constraint_names: list[str], options: SolverOptions) 
             return _Outcome(highs, status, time.perf_counter() - start, "lp", objective)
         if status.lower() == "optimal":
             bound = float(highs.getInfo().objective_function_value)
-            search = (
-                _branch_on_counts(highs, problem, auxiliary, counts, options, remaining())
-                if len(counts) and not _integral_at(highs, counts, options)
-                else _relax_and_fix(highs, problem, options, remaining())
-            )
+            if len(counts) and not _integral_at(highs, counts, options):
+                search = _branch_on_counts(highs, problem, auxiliary, counts, options, remaining())
+            else:
+                fixed = _relax_and_fix(highs, problem, options, remaining())
+                search = None if fixed is None else (fixed, bound)
             if search is not None:
-                plan, bound = search if isinstance(search, tuple) else (search, bound)
+                plan, bound = search
                 if plan.gap(bound) <= options.fix_gap:
                     elapsed = time.perf_counter() - start
                     return _Outcome(highs, "Optimal", elapsed, "lp+fix", bound, plan)

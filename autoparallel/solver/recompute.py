@@ -30,7 +30,6 @@ import numpy as np
 import torch.fx as fx
 
 from autoparallel.trace.layer_regions import (
-    RecomputeError,
     draws_random_numbers,
     forward_layers,
     layer_members,
@@ -63,10 +62,7 @@ def recompute_classes(
     for layer, nodes in members.items():
         if any(draws_random_numbers(node) for node in nodes):
             continue
-        try:
-            region = recompute_region(joint, labels, layer, saved, members)
-        except RecomputeError:
-            continue
+        region = recompute_region(joint, labels, layer, saved, members)
         inner = tuple(
             part
             for root, part in by_root.items()
