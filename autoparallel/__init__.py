@@ -3,6 +3,7 @@
 from autoparallel.api import AutoParallel, auto_parallel
 from autoparallel.cost.hardware import HARDWARE_PRESETS, Hardware
 from autoparallel.cost.topology import Topology
+from autoparallel.regions import LocalMapError, collectives, current_mesh, local_map
 from autoparallel.runtime import (
     InputMismatchError,
     MeasuredMemory,
@@ -24,6 +25,10 @@ __all__ = [
     "auto_parallel",
     "autoparallel_backend",
     "with_sharding_constraint",
+    "local_map",
+    "LocalMapError",
+    "current_mesh",
+    "collectives",
     "InputMismatchError",
     "measure_step",
     "StepTiming",

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import (
 from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException as _DynamicOutputShapeException,
 )
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor._api import DTensor
 from torch.distributed.tensor._collective_utils import shard_dim_alltoall as _shard_dim_alltoall
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -493,3 +493,85 @@ def has_wrapper_storage(tensor: DTensor) -> bool:
     metadata, so the values the runtime reads do not change: this is how it shows.
     """
     return tensor.data_ptr() != 0
+
+
+# ---------------------------------------------------------------------------- local_map regions
+# A local_map region is one custom op in the joint graph; its backward op re-runs the body
+# under autograd to get the body's vector-Jacobian product. A custom op's kernel runs below
+# the autograd dispatch keys (the dispatcher excludes them for the kernel's duration), and
+# torch offers no public way to re-enter autograd there: the guard below restores them.
+# The collectives a region body issues are torch's functional collectives, which live in a
+# private module; grouped matmul (one matmul per expert over contiguous row groups) is only
+# offered as ``torch._grouped_mm``.
+
+_AUTOGRAD_KEYS = tuple(
+    getattr(torch._C.DispatchKey, name)
+    for name in dir(torch._C.DispatchKey)
+    if name.startswith("Autograd") or name == "ADInplaceOrView"
+)
+
+
+@contextlib.contextmanager
+def autograd_inside_kernel() -> Any:
+    """Autograd records again inside a custom op's kernel (grad mode on)."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
+        with torch.enable_grad():
+            yield
+
+
+def collective_all_to_all(
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    mesh: Any,
+    mesh_dim: int,
+) -> torch.Tensor:
+    """Rows of ``tensor`` exchanged between the ranks of ``mesh_dim``, waited on."""
+    return _funcol.wait_tensor(
+        _funcol.all_to_all_single(tensor, output_split_sizes, input_split_sizes, (mesh, mesh_dim))
+    )
+
+
+def collective_all_gather(tensor: torch.Tensor, dim: int, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """Every rank's ``tensor`` of ``mesh_dim`` concatenated along ``dim``, waited on."""
+    return _funcol.wait_tensor(
+        _funcol.all_gather_tensor(tensor.contiguous(), dim, (mesh, mesh_dim))
+    )
+
+
+def collective_reduce_scatter(
+    tensor: torch.Tensor, dim: int, mesh: Any, mesh_dim: int
+) -> torch.Tensor:
+    """This rank's block along ``dim`` of the sum over the ranks of ``mesh_dim``, waited on."""
+    return _funcol.wait_tensor(
+        _funcol.reduce_scatter_tensor(tensor.contiguous(), "sum", dim, (mesh, mesh_dim))
+    )
+
+
+def group_name_of(mesh: Any, mesh_dim: int) -> str:
+    """The process group name the functional collectives record for ``mesh_dim``."""
+    return mesh.get_group(mesh_dim).group_name
+
+
+COLLECTIVE_OPS = {
+    "all_to_all": "_c10d_functional.all_to_all_single",
+    "all_gather": "_c10d_functional.all_gather_into_tensor",
+    "reduce_scatter": "_c10d_functional.reduce_scatter_tensor",
+    "all_reduce": "_c10d_functional.all_reduce",
+}
+"""Functional collective op names (as ``str(op)`` starts) by the cost model's kind."""
+
+
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``rows[start_e:end_e] @ weights[e]`` for each group e, concatenated; ``offsets`` are
+    the groups' cumulative ends (int32).
+
+    On fake tensors of a dtype other than bfloat16 (torch's shape function accepts only
+    that, its CPU kernel any float) one matmul of the same size stands in: same output
+    shape, same FLOPs, and fake tensors carry no values to get wrong."""
+    if isinstance(rows, FakeTensor) and rows.dtype != torch.bfloat16:
+        return rows @ weights[0]
+    return torch._grouped_mm(rows, weights, offs=offsets)

@@ -115,7 +115,12 @@ class AutoParallel:
         self.joint = self._timed(
             "trace",
             lambda: trace_joint(
-                self.model, self.input_fn, device, self.mp_policy, self.trace_layers_once
+                self.model,
+                self.input_fn,
+                device,
+                self.mp_policy,
+                self.trace_layers_once,
+                self.mesh,
             ),
         )
         # 2. Strategies: per node, the placements it can run with on this mesh. Depends on the

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoparallel import AutoParallel, InputMismatchError, autoparallel_backend
 from autoparallel._testing.harness import full_grads, full_params
 from autoparallel.models import MLP, Llama, llama_config
+from autoparallel.models.moe import MOE_TINY, MoETransformer
 from autoparallel.types.placements import placement_str
 
 LLAMA = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512)
@@ -42,6 +43,8 @@ def max_error(a: dict, b: dict) -> float:
 
 def build(model_name: str, device: str = "meta") -> torch.nn.Module:
     with torch.device(device):
+        if model_name == "moe":
+            return MoETransformer(MOE_TINY)
         if model_name == "mlp-constrained":  # hidden activation pinned replicated
             return MLP(64, 256, hidden_placements=(Replicate(),))
         if model_name == "llama-deep":
@@ -53,6 +56,11 @@ def global_batches(model_name: str) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1234)
     if model_name.startswith("mlp"):
         return [torch.randn(1024, 64, generator=generator) for _ in range(STEPS)]
+    if model_name == "moe":
+        return [
+            torch.randint(0, MOE_TINY.vocab_size, (8, 32), generator=generator)
+            for _ in range(STEPS)
+        ]
     return [torch.randint(0, LLAMA.vocab_size, (8, 64), generator=generator) for _ in range(STEPS)]
 
 
@@ -126,8 +134,15 @@ def train(
         _logged("autoparallel.runtime.compile") as compiled_logs,
     ):
         return _train(
-            model_name, init_device_mesh("cpu", shape), kind, compiled, trace_logs, compiled_logs
+            model_name, _mesh(model_name, shape), kind, compiled, trace_logs, compiled_logs
         )
+
+
+def _mesh(model_name: str, shape: tuple[int, ...]) -> Any:
+    """The gloo mesh of a case; the MoE's is ("dp", "ep"): its experts go over "ep"."""
+    if model_name == "moe":
+        return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "ep")[-len(shape) :])
+    return init_device_mesh("cpu", shape)
 
 
 @contextlib.contextmanager
@@ -578,6 +593,9 @@ def check_parallel_training(
         assert all("S(" in p for p in placements.values() if p), placements
     elif kind == "recompute":
         assert rank0["recompute"], "the budget needs a recomputed layer"
+    elif kind == "expert-parallel":  # the routed experts are split over "ep" by the region
+        experts = {name: p for name, p in placements.items() if ".experts." in name}
+        assert experts and all(p.endswith("S(0)") for p in experts.values()), experts
     else:
         assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), (
             placements

@@ -60,11 +60,21 @@ def _cpu_flash_bwd(
     return _sdpa_forward_flops(query, key, value) * 5 // 2
 
 
+def _grouped_mm(rows: TensorInfo, weights: TensorInfo, *_: Any, **__: Any) -> int:
+    """One matmul per group over contiguous row groups: every row meets one weight matrix.
+    ``[M, K] x [G, K, N]`` is 2*M*K*N; the weights' gradient ``[K, M] x [M, N] -> [G, K, N]``
+    is 2*K*M*N."""
+    if len(weights.shape) == 3:
+        return 2 * rows.shape[0] * rows.shape[1] * weights.shape[2]
+    return 2 * rows.shape[0] * rows.shape[1] * weights.shape[-1]
+
+
 # Formulas over TensorInfo, used only when flop_registry has none for the packet.
 _LOCAL_FORMULAS: dict[Any, Callable[..., int]] = {}
 for _name, _fn in (
     ("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_fwd),
     ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_bwd),
+    ("_grouped_mm", _grouped_mm),
 ):
     if hasattr(_aten, _name):
         _LOCAL_FORMULAS[getattr(_aten, _name)] = _fn

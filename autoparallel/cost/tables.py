@@ -27,7 +27,9 @@ import torch.fx as fx
 
 from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.redistribution import PairPricer
+from autoparallel.cost.regions import region_cost_us
 from autoparallel.cost.topology import Topology
+from autoparallel.regions.local_map import region_backward_op
 from autoparallel.trace.fx_args import flat_args, map_args
 from autoparallel.types.costs import CostTables, EdgeCost, EdgeRoutes
 from autoparallel.types.graph import JointGraph
@@ -209,6 +211,12 @@ def _price_pairs(
 
 def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCache) -> list[float]:
     node = ns.node
+    region = node.meta.get("local_map_region")
+    if region is not None:  # one strategy, priced from the body's profile
+        key = ("local_map", region.key, node.target is region_backward_op)
+        if key not in price_cache.compute:
+            price_cache.compute[key] = [region_cost_us(region, key[2], topology)]
+        return price_cache.compute[key] * len(ns.strategies)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return [0.0] * len(ns.strategies)
     node_key = (

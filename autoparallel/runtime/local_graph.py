@@ -19,6 +19,7 @@ Under ``torch.compile`` the phases are not traced here: AOTAutograd traces them 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
+from autoparallel.regions.context import RegionScope, region_scope
 from autoparallel.runtime.shards import wrap_shard
 
 
@@ -81,27 +83,32 @@ class TracedPhase:
 
     ``parameter_positions`` says, when the phase is traced, which of its inputs are
     parameters (or their casts and views): their gathers are issued one gather ahead (see
-    :func:`issue_collectives_early`)."""
+    :func:`issue_collectives_early`). ``regions`` is the scope the model's ``local_map``
+    region ops find their bodies in (regions/context.py), set around every call; a region
+    op stays one op of the local graph (its body's sizes may depend on the data)."""
 
     def __init__(
         self,
         name: str,
         function: Callable[..., list[torch.Tensor]],
         parameter_positions: Callable[[], Collection[int]] = tuple,
+        regions: RegionScope | None = None,
     ):
         self.name = name
         self.function = function
         self.parameter_positions = parameter_positions
+        self.regions = regions
         self.graph_module: fx.GraphModule | None = None
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        if get_proxy_mode() is not None:
-            # Already being traced (torch.compile's AOTAutograd): let that tracer see the
-            # phase itself rather than a graph we traced for other tensors.
-            return list(self.function(*tensors))
-        if self.graph_module is None:
-            self._trace(*tensors)
-        return list(self.graph_module(*tensors))
+        with region_scope(self.regions) if self.regions is not None else contextlib.nullcontext():
+            if get_proxy_mode() is not None:
+                # Already being traced (torch.compile's AOTAutograd): let that tracer see the
+                # phase itself rather than a graph we traced for other tensors.
+                return list(self.function(*tensors))
+            if self.graph_module is None:
+                self._trace(*tensors)
+            return list(self.graph_module(*tensors))
 
     # Our own tracing must never be captured by torch.compile (a frame Dynamo skipped can
     # still reach here eagerly while compile is active).

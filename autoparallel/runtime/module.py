@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel.regions.context import RegionScope
 from autoparallel.runtime.coalesce import reduce_gradients
 from autoparallel.runtime.dynamic import ShapeVariants
 from autoparallel.runtime.executor import JointExecutor
@@ -48,7 +49,7 @@ from autoparallel.types.tensors import local_shape_at
 
 logger = logging.getLogger(__name__)
 
-LOCAL_SOURCES = ("rule", "fallback", "factory")
+LOCAL_SOURCES = ("rule", "fallback", "factory", "local_map")
 
 
 class InputMismatchError(ValueError):
@@ -176,13 +177,14 @@ class _Runtime:
             node: getattr(joint.graph_module, node.target).to(executor.device)
             for node in joint.graph.find_nodes(op="get_attr")
         }
+        regions = RegionScope(mesh, dict(joint.regions)) if joint.regions else None
         self.forward_phase = TracedPhase(
-            "forward", self._forward_program, lambda: range(len(joint.params))
+            "forward", self._forward_program, lambda: range(len(joint.params)), regions
         )
         self.backward_phase = TracedPhase(
-            "backward", self._backward_program, self._saved_parameter_positions
+            "backward", self._backward_program, self._saved_parameter_positions, regions
         )
-        self.inference_phase = TracedPhase("inference", self._inference_program)
+        self.inference_phase = TracedPhase("inference", self._inference_program, tuple, regions)
         self.variants: ShapeVariants | None = None  # set when planned with dynamic=True
         self.initializing = False  # inside full_value_init (runtime/init.py)
 

@@ -5,7 +5,8 @@ For each node, in graph order, the options come from the first source that answe
 1. placeholders (parameters, buffers, user inputs, tangents): any Shard/Replicate combination
    their shape allows;
 2. ``getitem`` on a multi-output node: one option per distinct output of the producer;
-3. our own rules (e.g. the CPU flash-attention ops that DTensor does not cover);
+3. a ``local_map`` region's ops: the one strategy its placements state (strategies/regions.py);
+   our own rules (e.g. the CPU flash-attention ops that DTensor does not cover);
 4. DTensor's strategy registry;
 5. otherwise a replicate-only fallback, logged as a warning and recorded in
    ``StrategySpace.fallbacks`` so the user can see which ops limited the plan.
@@ -26,6 +27,7 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from autoparallel.strategies import rules
 from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_strategies
+from autoparallel.strategies.regions import region_strategy
 from autoparallel.trace.fx_args import map_args, tensor_input_nodes
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi
@@ -95,6 +97,10 @@ def _strategies_for(
 
     if not inputs:
         return NodeStrategies(node, [], [_replicated(node, 0, multi, mesh_shape)], "factory", multi)
+
+    region = node.meta.get("local_map_region")
+    if region is not None:
+        return NodeStrategies(node, inputs, [region_strategy(node, region)], "local_map", multi)
 
     key = _question(node, options, answers)
     if key in answers:

@@ -21,9 +21,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel.regions.context import RegionScope, region_scope
+from autoparallel.regions.local_map import LocalMapError, region_backward_op, region_forward_op
+from autoparallel.regions.profile import profile_region
 from autoparallel.trace.errors import trace_error
 from autoparallel.trace.layer_stamping import (
     CHECK_LAYERS,
@@ -123,6 +127,7 @@ def trace_joint(
     device: torch.device,
     mp_policy: Any = None,
     trace_layers_once: bool = True,
+    mesh: DeviceMesh | None = None,
 ) -> JointGraph:
     """Trace ``model`` on the global inputs of ``input_fn`` into a :class:`JointGraph`.
 
@@ -133,21 +138,47 @@ def trace_joint(
     With ``trace_layers_once``, a model whose layers are identical modules is traced with
     only 3 and 4 of them and the full graph is built from those (repeated_layers.py,
     layer_stamping.py); where that cannot be verified, every layer is traced.
+
+    ``mesh`` is the mesh being planned for: the model's ``local_map`` regions
+    (autoparallel/regions) read it, and each region's body is profiled on it afterwards.
     """
     # input_fn runs under a fake mode of its own so that it allocates nothing even for huge
     # global inputs, yet may still read real tensors it closes over; only shapes are kept.
     with internals.new_fake_mode(allow_non_fake_inputs=True):
         raw_inputs = input_fn()
     args, kwargs = normalize_inputs(raw_inputs)
+    scope = RegionScope(mesh, recording=True)
     joint = None
-    if trace_layers_once:
-        layers = find_repeated_layers(model)
-        if layers is not None:
-            joint = _trace_layers_once(model, layers, args, kwargs, device, mp_policy)
-    if joint is None:
-        joint = _trace(model, args, kwargs, device, mp_policy)
+    with region_scope(scope):
+        if trace_layers_once:
+            layers = find_repeated_layers(model)
+            if layers is not None:
+                joint = _trace_layers_once(model, layers, args, kwargs, device, mp_policy)
+        if joint is None:
+            joint = _trace(model, args, kwargs, device, mp_policy)
     joint.tied_params = _tied_parameter_groups(model)
+    _attach_regions(joint, scope, mesh)
     return joint
+
+
+def _attach_regions(joint: JointGraph, scope: RegionScope, mesh: DeviceMesh | None) -> None:
+    """Give the joint graph its regions, each profiled on ``mesh``, and each region op node
+    its region (``node.meta["local_map_region"]``)."""
+    region_ops = (region_forward_op, region_backward_op)
+    nodes = [n for n in joint.graph.nodes if n.op == "call_function" and n.target in region_ops]
+    if not nodes:
+        return
+    used = {node.args[0] for node in nodes}
+    joint.regions = {key: region for key, region in scope.regions.items() if key in used}
+    for region in joint.regions.values():
+        region.profile = profile_region(region, mesh)
+    for node in nodes:
+        node.meta["local_map_region"] = joint.regions[node.args[0]]
+    logger.info(
+        "%d local_map region(s): %s",
+        len(joint.regions),
+        ", ".join(f"{r.key} ({r.source})" for r in joint.regions.values()),
+    )
 
 
 def _trace(
@@ -167,11 +198,24 @@ def _trace(
         try:
             export = internals.export_joint(stack, fake_model, fake_args, fake_kwargs)
         except Exception as exc:
+            own = _own_error(exc)
+            if own is not None:
+                raise own from exc
             raise trace_error(exc, model) from exc
     _, in_spec = tree_flatten((args, kwargs))
     return _assign_roles(
         export.graph_module, fake_mode, in_spec, export.out_spec, device, name_prefix
     )
+
+
+def _own_error(exc: BaseException) -> LocalMapError | None:
+    """A LocalMapError raised inside the trace (torch may wrap it), already in user terms."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, LocalMapError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))

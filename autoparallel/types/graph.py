@@ -15,6 +15,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import TreeSpec
 
+from autoparallel.types.regions import LocalMapRegion
+
 
 @dataclass(frozen=True)
 class RepeatedLayers:
@@ -60,6 +62,8 @@ class JointGraph:
             graph has a placeholder per name, and the plan must give them one placement.
         layers_traced_once: the container of identical layers whose graph was built from
             3 and 4 traced layers (trace/repeated_layers.py), or None if every layer was traced.
+        regions: the model's ``local_map`` regions by key (autoparallel/regions); the
+            graph's region ops name them, and each such node has ``meta["local_map_region"]``.
     """
 
     graph_module: fx.GraphModule
@@ -77,6 +81,7 @@ class JointGraph:
     device: torch.device
     tied_params: list[list[str]] = field(default_factory=list)
     layers_traced_once: RepeatedLayers | None = None
+    regions: dict[str, LocalMapRegion] = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:

@@ -1,0 +1,51 @@
+"""The time of a ``local_map`` region's ops on one rank, from its body's profile.
+
+A region's node has one strategy, so its price is one number per op: the roofline time of
+each ATen op its body ran on local shapes (cost/compute.py) plus each collective it issued
+(cost/collectives.py) on the mesh dim it named. The backward op re-runs the forward, so its
+price includes the forward's ops and collectives again. The collectives are charged inside
+the node's compute time (the plan's comm totals cover redistributions between nodes).
+"""
+
+from __future__ import annotations
+
+from autoparallel.cost.collectives import (
+    all_gather_us,
+    all_reduce_us,
+    all_to_all_us,
+    reduce_scatter_us,
+)
+from autoparallel.cost.compute import compute_cost_us
+from autoparallel.cost.topology import Topology
+from autoparallel.types.regions import CollectiveRecord, LocalMapRegion, OpRecord
+
+_COLLECTIVE_PRICES = {
+    "all_to_all": all_to_all_us,
+    "all_gather": all_gather_us,
+    "reduce_scatter": reduce_scatter_us,
+    "all_reduce": all_reduce_us,
+}
+
+
+def region_cost_us(region: LocalMapRegion, backward: bool, topology: Topology) -> float:
+    """Time of the region's forward op (``backward`` False) or backward op on one rank."""
+    profile = region.profile
+    if profile is None:
+        return 0.0
+    if backward:
+        return _ops_us(profile.backward_ops, topology) + _collectives_us(
+            profile.backward_collectives, topology
+        )
+    return _ops_us(profile.forward_ops, topology) + _collectives_us(
+        profile.forward_collectives, topology
+    )
+
+
+def _ops_us(ops: tuple[OpRecord, ...], topology: Topology) -> float:
+    return sum(
+        compute_cost_us(op.op, op.args, op.kwargs, op.output, topology.hardware) for op in ops
+    )
+
+
+def _collectives_us(collectives: tuple[CollectiveRecord, ...], topology: Topology) -> float:
+    return sum(_COLLECTIVE_PRICES[c.kind](c.nbytes, c.mesh_dim, topology) for c in collectives)

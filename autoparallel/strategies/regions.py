@@ -1,0 +1,25 @@
+"""The one strategy of a ``local_map`` region's ops: the placements the region states.
+
+The forward op takes the region's tensor arguments in ``in_placements`` and gives its
+outputs in ``out_placements``. The backward op takes the same arguments and the outputs'
+gradients in the adjoint of ``out_placements`` (see types/regions.py), and gives the
+gradients of the floating-point arguments in ``in_grad_placements``. Every other choice
+around a region (how its inputs get there, where its outputs go) is the planner's.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoparallel.regions.local_map import region_backward_op
+from autoparallel.types.regions import LocalMapRegion, adjoint_placements
+from autoparallel.types.strategies import Strategy
+
+
+def region_strategy(node: fx.Node, region: LocalMapRegion) -> Strategy:
+    """The strategy of ``node``, one of ``region``'s two ops."""
+    if node.target is region_backward_op:
+        grads_in = tuple(adjoint_placements(p) for p in region.out_placements)
+        grads_out = tuple(p for p, d in zip(region.in_grad_placements, region.differentiable) if d)
+        return Strategy(output=grads_out, inputs=region.in_placements + grads_in)
+    return Strategy(output=region.out_placements, inputs=region.in_placements)

@@ -1,0 +1,113 @@
+"""Plain types of ``local_map`` regions: a model's own local code inside the traced graph.
+
+A region is a function the model wrote for *local* tensors (one rank's shards) with explicit
+collectives, wrapped by :func:`autoparallel.local_map`. The joint graph holds it as one
+forward op and one backward op whose placements are fixed by the region (the planner
+chooses everything around it). :class:`LocalMapRegion` is what every stage needs to know
+about one region; :class:`RegionProfile` is what its body did on local fake tensors (the
+ops and collectives the cost model prices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.utils._pytree import TreeSpec
+
+from autoparallel.types.placements import Placements
+from autoparallel.types.tensors import TensorInfo
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One ATen op the body ran, with every tensor replaced by its local TensorInfo."""
+
+    op: Any
+    args: tuple
+    kwargs: dict
+    output: Any
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective the body issued: ``kind`` is all_to_all / all_gather / reduce_scatter /
+    all_reduce, ``nbytes`` the bytes of the larger of its input and output on one rank."""
+
+    kind: str
+    mesh_dim: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RegionProfile:
+    """The body's work on one rank: its forward, and the backward of the backward op (which
+    re-runs the forward under autograd, then its vector-Jacobian product)."""
+
+    forward_ops: tuple[OpRecord, ...]
+    forward_collectives: tuple[CollectiveRecord, ...]
+    backward_ops: tuple[OpRecord, ...]
+    backward_collectives: tuple[CollectiveRecord, ...]
+
+
+@dataclass
+class LocalMapRegion:
+    """One ``local_map`` region of a traced model.
+
+    Attributes:
+        key: the name the graph's region ops carry (unique within one trace).
+        func: the user's body, called on local tensors.
+        source: ``file:line`` of the model's call, for messages.
+        arg_spec: pytree structure of the body's positional arguments.
+        constants: the non-tensor leaves of those arguments (None where a tensor goes).
+        tensor_positions: leaf index of each tensor argument, in the ops' input order.
+        in_placements / in_grad_placements: per tensor argument, its placements on the mesh
+            and those of its gradient.
+        out_placements: per output tensor, its placements (its gradient arrives in
+            :func:`~autoparallel.types.regions.adjoint_placements` of them).
+        differentiable: per tensor argument, whether it is floating point (gets a gradient).
+        out_spec: pytree structure of the body's result; set when the trace first runs it.
+        local_inputs: per tensor argument, its local shape and dtype on one rank.
+        profile: what the body ran on local fake tensors (set after tracing).
+    """
+
+    key: str
+    func: Callable[..., Any]
+    source: str
+    arg_spec: TreeSpec
+    constants: tuple
+    tensor_positions: tuple[int, ...]
+    in_placements: tuple[Placements, ...]
+    in_grad_placements: tuple[Placements, ...]
+    out_placements: tuple[Placements, ...]
+    differentiable: tuple[bool, ...]
+    local_inputs: tuple[TensorInfo, ...]
+    out_spec: TreeSpec | None = None
+    profile: RegionProfile | None = field(default=None, repr=False)
+
+    def arguments(self, tensors: list[Any]) -> tuple:
+        """The body's positional arguments with ``tensors`` in the tensor positions."""
+        leaves = list(self.constants)
+        for position, tensor in zip(self.tensor_positions, tensors):
+            leaves[position] = tensor
+        return tuple(self.arg_spec.unflatten(leaves))
+
+
+def adjoint_placements(placements: Placements) -> Placements:
+    """Where a region's gradient lives, given where its value lives.
+
+    A region's backward runs the body's vector-Jacobian product on every rank, and each
+    rank's result is its own contribution: a sharded value's gradient is sharded the same
+    way; a replicated value's gradient is the sum of every rank's contribution (Partial); a
+    partial value (a pending sum) gets the whole gradient on every rank (Replicate)."""
+
+    def adjoint(placement: Any) -> Any:
+        if isinstance(placement, Replicate):
+            return Partial()
+        if isinstance(placement, Partial):
+            return Replicate()
+        return placement
+
+    return tuple(adjoint(p) for p in placements)
