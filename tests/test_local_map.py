@@ -1,0 +1,114 @@
+"""local_map regions: the planner keeps their placements, prices their bodies, and names
+their mistakes. (Training the MoE on gloo ranks is in test_runtime.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoparallel import AutoParallel, LocalMapError, collectives, local_map
+from autoparallel.models.moe import MOE_TINY, MoETransformer
+from autoparallel.types.placements import placement_str
+
+
+def _plan_moe(mesh):
+    with torch.device("meta"):
+        model = MoETransformer(MOE_TINY)
+    with AutoParallel(model, lambda: torch.randint(0, 256, (8, 16)), mesh) as autop:
+        plan = autop.optimize_placement()
+    return autop, plan
+
+
+def test_moe_experts_are_split_over_ep_and_their_gradients_reduced_over_dp(fake_mesh):
+    autop, plan = _plan_moe(fake_mesh((2, 2), ("dp", "ep")))
+    experts = {k: v for k, v in plan.param_placements.items() if ".experts." in k}
+    assert len(experts) == 6 and all(
+        isinstance(p[1], Shard) and p[1].dim == 0 for p in experts.values()
+    )
+    shared = [k for k in plan.param_placements if "shared_expert" in k or "router" in k]
+    assert shared and not any(".experts." in k for k in shared)
+    (region,) = autop.joint.regions.values()
+    forward = next(n for n in plan.nodes.values() if n.target.endswith("local_map.default"))
+    backward = next(n for n in plan.nodes.values() if "local_map_backward" in n.target)
+    assert placement_str(forward.strategy.inputs[3]) == "RS(0)"  # w1 arrives split over ep
+    assert placement_str(forward.strategy.output) == "(S(0)S(0))"
+    # the gradient of a weight replicated over dp is each dp rank's share: Partial there
+    grads = [placement_str(p) for p in backward.strategy.output]
+    assert grads[-3:] == ["P(sum)S(0)"] * 3
+    # the dispatch's all-to-alls are profiled and priced: counts, rows, rows back; the
+    # backward re-runs them and sends the two float exchanges' gradients back
+    profile = region.profile
+    assert [c.kind for c in profile.forward_collectives] == ["all_to_all"] * 3
+    assert [c.kind for c in profile.backward_collectives] == ["all_to_all"] * 5
+    assert {c.mesh_dim for c in profile.forward_collectives} == {1}
+    assert any("grouped_mm" in str(op.op) or "mm" in str(op.op) for op in profile.forward_ops)
+
+
+def test_without_an_ep_dim_the_experts_are_the_planners(fake_mesh):
+    _, plan = _plan_moe(fake_mesh((4,), ("dp",)))
+    experts = [p for k, p in plan.param_placements.items() if ".experts." in k]
+    assert len(experts) == 6  # the region asks them replicated; storage is the planner's
+
+
+def _body(x, w):
+    return torch.tanh(x @ w)
+
+
+class _OneRegion(nn.Module):
+    def __init__(self, in_placements, out_placements):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.placements = (in_placements, out_placements)
+
+    def forward(self, x):
+        inputs, outputs = self.placements
+        return local_map(_body, out_placements=outputs, in_placements=inputs)(x, self.w).sum()
+
+
+@pytest.mark.parametrize(
+    "in_placements,out_placements,message",
+    [
+        (((Shard(0),),), (Shard(0),), "in_placements has 1 entries for 2 positional arguments"),
+        (((Shard(1),), (Replicate(),)), (Shard(0),), "does not divide its size 6"),
+        (((Shard(0),), None), (Shard(0),), "argument 1 is a tensor: give it placements"),
+        (
+            ((Shard(0),), (Replicate(),)),
+            ((Shard(0),), (Shard(0),)),
+            "returns 1 tensors but out_placements has 2",
+        ),
+        (((Shard(0), Replicate()), (Replicate(),)), (Shard(0),), "2 placements for a 1-D mesh"),
+    ],
+)
+def test_contradictory_region_placements_are_named(
+    fake_mesh, in_placements, out_placements, message
+):
+    mesh = fake_mesh((4,), ("dp",))
+    model = _OneRegion(in_placements, out_placements)
+    with pytest.raises(LocalMapError, match="local_map region at .*test_local_map.py") as error:
+        with AutoParallel(model, lambda: torch.randn(16, 6 if "divide" in message else 8), mesh):
+            pass
+    assert message in str(error.value)
+
+
+def test_outside_planning_a_region_is_a_plain_call_and_collectives_are_identities():
+    x = torch.randn(4, 8)
+    w = torch.randn(8, 8)
+    region = local_map(
+        _body, out_placements=(Shard(0),), in_placements=((Shard(0),), (Replicate(),))
+    )
+    assert torch.equal(region(x, w), _body(x, w))
+    assert collectives.mesh_dim_size("ep") == 1
+    assert collectives.all_to_all(x, "ep", torch.tensor([4]), torch.tensor([4])) is x
+    assert collectives.all_reduce(x, "dp") is x
+
+
+def test_adjoint_gradient_placements():
+    from autoparallel.types.regions import adjoint_placements
+
+    assert adjoint_placements((Shard(0), Replicate(), Partial())) == (
+        Shard(0),
+        Partial(),
+        Replicate(),
+    )
