@@ -112,3 +112,19 @@ def test_adjoint_gradient_placements():
         Partial(),
         Replicate(),
     )
+
+
+def test_the_cli_plans_the_moe_with_experts_over_ep(tmp_path):
+    import json
+
+    from test_report_cli import run_cli
+
+    out = tmp_path / "plan.json"
+    done = run_cli(
+        "plan", "--model", "moe-tiny", "--layers", "1", "--mesh", "2x2", "--mesh-names", "dp,ep",
+        "--batch", "8", "--seq", "16", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    placements = {p["name"]: p["placements"] for p in json.loads(out.read_text())["parameters"]}
+    experts = [p for name, p in placements.items() if ".experts." in name]
+    assert len(experts) == 3 and all(p.endswith("S(0)") for p in experts), placements

@@ -33,7 +33,8 @@ from autoparallel.report.text import summary_lines
 __all__ = ["build_parser", "main"]
 
 LLAMA_PRESETS = ("llama3-8b", "llama3-70b", "tiny")
-BUILTIN_MODELS = LLAMA_PRESETS + ("gpt2",)
+MOE_PRESETS = ("moe-tiny", "moe-16b")
+BUILTIN_MODELS = LLAMA_PRESETS + MOE_PRESETS + ("gpt2",)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """--param-dtype / --reduce-dtype names -> torch dtype attribute names (torch loads lazily)."""
 DEFAULT_MESH_NAMES = ("dp", "tp", "cp", "ep")
@@ -43,6 +44,9 @@ models:
   llama3-8b, llama3-70b, tiny   the LLaMA-style reference model (autoparallel.models.Llama), all
                                 its layers unless --layers says (identical layers are traced once
                                 and folded: all 80 layers of llama3-70b on 8x8 plan in seconds)
+  moe-tiny, moe-16b             the mixture-of-experts reference model (autoparallel.models.moe):
+                                its routed experts are split over the mesh dim named "ep"
+                                (give --mesh-names, e.g. dp,ep); all layers unless --layers says
   gpt2                          a small Hugging Face GPT-2, 2 layers unless --layers says (needs
                                 `transformers`)
   package.module:factory        factory() is called on the meta device and returns either
@@ -83,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--model",
         required=True,
-        help="llama3-8b | llama3-70b | tiny | gpt2 | package.module:factory",
+        help="llama3-8b | llama3-70b | tiny | moe-tiny | moe-16b | gpt2 | package.module:factory",
     )
     plan.add_argument(
         "--mesh", required=True, help="mesh shape, e.g. 8x8 (row-major; the last dim is innermost)"
@@ -382,6 +386,8 @@ def build_model(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
 
     if request.model in LLAMA_PRESETS:
         return _llama(request)
+    if request.model in MOE_PRESETS:
+        return _moe(request)
     if request.model == "gpt2":
         from autoparallel.models import hf_gpt2
 
@@ -406,6 +412,23 @@ def _llama(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
         )
     with torch.device("meta"):
         model = Llama(config)
+    return model, _token_input(request, config.vocab_size)
+
+
+def _moe(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
+    import torch
+
+    from autoparallel.models.moe import MoETransformer, moe_config
+
+    config = moe_config(
+        request.model, **({} if request.layers is None else {"n_layers": request.layers})
+    )
+    if request.seq > config.max_seq_len:
+        raise UsageError(
+            f"--seq {request.seq} exceeds {request.model}'s max_seq_len {config.max_seq_len}"
+        )
+    with torch.device("meta"):
+        model = MoETransformer(config)
     return model, _token_input(request, config.vocab_size)
 
 
