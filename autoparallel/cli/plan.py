@@ -399,28 +399,25 @@ def build_model(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
 
 
 def _llama(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
-    import torch
-
     from autoparallel.models import Llama, llama_config
 
-    config = llama_config(
-        request.model, **({} if request.layers is None else {"n_layers": request.layers})
-    )
-    if request.seq > config.max_seq_len:
-        raise UsageError(
-            f"--seq {request.seq} exceeds {request.model}'s max_seq_len {config.max_seq_len}"
-        )
-    with torch.device("meta"):
-        model = Llama(config)
-    return model, _token_input(request, config.vocab_size)
+    return _reference_model(request, llama_config, Llama)
 
 
 def _moe(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
-    import torch
-
     from autoparallel.models.moe import MoETransformer, moe_config
 
-    config = moe_config(
+    return _reference_model(request, moe_config, MoETransformer)
+
+
+def _reference_model(
+    request: PlanRequest, config_of: Callable[..., Any], model_class: type
+) -> tuple[Any, Callable[[], Any]]:
+    """A reference model of the preset ``request.model`` (``--layers`` overriding its
+    depth) on the meta device, fed token ids."""
+    import torch
+
+    config = config_of(
         request.model, **({} if request.layers is None else {"n_layers": request.layers})
     )
     if request.seq > config.max_seq_len:
@@ -428,7 +425,7 @@ def _moe(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
             f"--seq {request.seq} exceeds {request.model}'s max_seq_len {config.max_seq_len}"
         )
     with torch.device("meta"):
-        model = MoETransformer(config)
+        model = model_class(config)
     return model, _token_input(request, config.vocab_size)
 
 
