@@ -241,7 +241,7 @@ def _is_placements(value: Any) -> bool:
 
 def _checked(placements: Any, tensor: torch.Tensor, mesh: DeviceMesh, what: str) -> Placements:
     """``placements`` as a tuple, checked against the mesh and the tensor's global shape."""
-    if not _is_placements(placements) or placements is None:
+    if not _is_placements(placements):
         raise LocalMapError(
             f"{what} is a tensor: give it placements (one Shard/Replicate/Partial per mesh "
             f"dim), got {placements!r}"

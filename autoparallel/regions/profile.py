@@ -70,7 +70,7 @@ def profile_region(region: LocalMapRegion, mesh: DeviceMesh) -> RegionProfile:
         with torch.no_grad(), forward:
             region.func(*region.arguments(inputs))
         with torch.enable_grad(), backward:
-            outputs = [o for o in tree_flatten(region.func(*region.arguments(inputs)))[0]]
+            outputs = tree_flatten(region.func(*region.arguments(inputs)))[0]
             pairs = [(o, torch.ones_like(o)) for o in outputs if o.requires_grad]
             wanted = [t for t in inputs if t.requires_grad]
             if pairs and wanted:
