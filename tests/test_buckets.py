@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ GLOO_LIKE = dataclasses.replace(
     flops_bf16=1e9,
     memory_bandwidth=12e9,
     kernel_launch_us=6.0,
-    synchronous_ops=True,  # a CPU host: fixed cost per op added, bucket copies priced
+    view_op_us=2.0,
+    synchronous_ops=True,  # a CPU host: fixed cost per op added, bucket packing priced
     intra_node_latency_us=500.0,
     intra_node_bandwidth=1e9,
 )
@@ -67,9 +69,10 @@ def test_the_free_plan_of_a_small_llama_is_ddp_with_one_gradient_bucket(fake_mes
         assert argument.route == ()
         nbytes = _nbytes(autop, argument.producer)
         copy_in = 2 * nbytes / topology.hardware.memory_bandwidth * 1e6  # into the flat buffer
-        copy_in *= topology.hardware.synchronous_ops  # priced on a synchronous host only
+        views = 2 * topology.hardware.view_op_us  # flattened in, its slice viewed back
+        host = (copy_in + views) * topology.hardware.synchronous_ops  # a synchronous host only
         bandwidth_only = all_reduce_us(nbytes, 0, topology)
-        assert argument.comm_us == pytest.approx(bandwidth_only - bucket.latency_us + copy_in)
+        assert argument.comm_us == pytest.approx(bandwidth_only - bucket.latency_us + host)
     arguments = sum(n.comm_us for n in plan.nodes.values())
     assert plan.totals.comm_us == pytest.approx(arguments + bucket.latency_us)
 
@@ -164,3 +167,75 @@ def test_a_gradient_sharded_twice_on_one_dim_is_not_coalesced(fake_mesh):
     assert _single_step("gradient_reduction", *nested, (16, 4), topology) is None
     across = ((Partial(), Shard(0)), (Shard(1), Shard(0)))
     assert _single_step("gradient_reduction", *across, (16, 4), topology) == (0, "reduce_scatter")
+
+
+def _traced_ops(function, tensors) -> list:
+    """The ops a local graph of ``function`` holds, as the runtime traces its phases."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoparallel.runtime.local_graph import drop_identity_views
+
+    graph = make_fx(function)(*tensors)
+    drop_identity_views(graph)
+    return [n.target for n in graph.graph.nodes if n.op == "call_function"]
+
+
+def _reduce(target):
+    from autoparallel.runtime.coalesce import Reduction, _reduce_together
+
+    def run(mesh, dim, *grads):
+        return _reduce_together(list(grads), Reduction(0, target, torch.float32), mesh)
+
+    return run
+
+
+def _gather(mesh, dim, *shards):
+    from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers
+
+    group = Gather("layers.0.", 0, torch.float32)
+    reads = [((f"w{i}", (Replicate(),)), group) for i in range(len(shards))]
+    env = {name: shard for ((name, _), _), shard in zip(reads, shards)}
+    gathers = ParameterGathers(GatherPlan.of_reads(reads), mesh)
+    # each gathered value read by an op (neg), as in a phase: the identity view of its
+    # DTensor wrap is then dropped as the runtime drops it
+    return [gathers.take(name, wanted, env)._local_tensor.neg() for (name, wanted), _ in reads]
+
+
+@pytest.mark.parametrize(
+    "collective,dim,run",
+    [
+        ("all_reduce", None, _reduce(Replicate())),
+        ("reduce_scatter", 0, _reduce(Shard(0))),
+        ("reduce_scatter", 1, _reduce(Shard(1))),
+        ("all_gather", 0, _gather),
+        ("all_gather", 1, _gather),
+    ],
+)
+def test_the_packing_priced_per_member_is_what_the_runtime_runs(fake_mesh, collective, dim, run):
+    """A bucket of three members holds, beyond one of two, the ops ``packing_ops`` prices:
+    if the runtime packs its buckets another way, this fails until the price follows."""
+    from torch.distributed.tensor import DTensor
+
+    from autoparallel.trace.view_ops import is_view_op
+    from autoparallel.types.bucketing import packing_ops
+
+    mesh = fake_mesh((2,))
+
+    def tensors(count):  # gradients, or the DTensor shards a phase reads
+        if collective != "all_gather":
+            return [torch.randn(4, 6) for _ in range(count)]
+        return [DTensor.from_local(torch.randn(4, 6), mesh, (Shard(dim),)) for _ in range(count)]
+
+    ops = {
+        count: _traced_ops(lambda *t: run(mesh, dim or 0, *t), tensors(count)) for count in (2, 3)
+    }
+    ignored = (operator.getitem, torch.ops.aten.neg.default)  # a list item, the reader
+    added = [op for op in ops[3] if op not in ignored]
+    for op in ops[2]:
+        if op not in ignored:
+            added.remove(op)
+    views = sum(is_view_op(op) for op in added)
+    copies = sum(op is torch.ops.aten.clone.default for op in added)
+    assert views + copies == len(added), added
+    expected = packing_ops(collective, dim)
+    assert (views, copies) == (expected.views, expected.copies), added

@@ -13,7 +13,7 @@ from conftest import meta
 from planning import Replicate, Shard
 
 from autoparallel import AutoParallel, measure_step
-from autoparallel.calibrate.fit import fit_optimizer_step
+from autoparallel.calibrate.fit import fit_optimizer_step, fit_runtime_overhead
 from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.hardware import CPU
 from autoparallel.models import MLP
@@ -131,6 +131,50 @@ def test_the_presets_do_not_price_the_optimizer_step(fake_mesh):
     with AutoParallel(model, lambda: torch.randn(32, 64), mesh, hardware="cpu") as autop:
         plan = autop.optimize_placement()
     assert plan.totals.optimizer_us == 0.0 and plan.priced_on == "cpu"
+    assert plan.totals.runtime_us == 0.0
+
+
+def test_the_runtime_fit_recovers_its_parts():
+    outside = {count: 150.0 + 12.5 * count for count in (4, 16, 64)}
+    fit = fit_runtime_overhead(outside)
+    assert fit.step_us == pytest.approx(150.0) and fit.us_per_parameter == pytest.approx(12.5)
+    assert fit.max_error == pytest.approx(0.0, abs=1e-9)
+    noisy = fit_runtime_overhead({4: 200.0, 16: 330.0, 64: 950.0})
+    assert noisy.max_error > 0.01 and noisy.us_per_parameter > 0
+    # a run that says "less work with more parameters" must not price parameters negative
+    assert fit_runtime_overhead({4: 300.0, 64: 100.0}).us_per_parameter == 0.0
+    with pytest.raises(ValueError, match="two parameter counts"):
+        fit_runtime_overhead({4: 100.0})
+
+
+def test_the_runtimes_own_work_is_part_of_the_step(fake_mesh):
+    """Its fixed part once per step and its part per trained parameter, in compute and the
+    total, in the JSON and the summary; the placements it does not depend on stay."""
+    from autoparallel.report.text import summary_lines
+
+    host = dataclasses.replace(
+        CPU, name="host-with-runtime", runtime_step_us=300.0, runtime_us_per_parameter=20.0
+    )
+    model, mesh = meta(lambda: MLP(64, 256)), fake_mesh((2,))
+    plans = {}
+    for hardware in ("cpu", host):
+        with AutoParallel(model, lambda: torch.randn(32, 64), mesh, hardware=hardware) as autop:
+            autop.add_input_constraints([(Shard(0),)])
+            plans[hardware if isinstance(hardware, str) else "host"] = autop.optimize_placement()
+            data = autop.sharding_optimizer.get_json()
+    plan, preset = plans["host"], plans["cpu"]
+    parameters = len(plan.param_placements)
+    assert plan.totals.runtime_us == pytest.approx(300.0 + 20.0 * parameters)
+    assert plan.totals.compute_us == pytest.approx(
+        preset.totals.compute_us + plan.totals.runtime_us
+    )
+    assert plan.totals.total_us == pytest.approx(preset.totals.total_us + plan.totals.runtime_us)
+    assert plan.param_placements == preset.param_placements
+    assert data["totals"]["runtime_us"] == pytest.approx(plan.totals.runtime_us)
+    assert data["hardware"]["runtime_us_per_parameter"] == 20.0
+    summary = "\n".join(summary_lines(data))
+    assert "runtime's own work outside its graphs" in summary
+    assert "per trained parameter" in summary
 
 
 def test_gradient_buckets_close_in_order_once_full():

@@ -121,6 +121,30 @@ def fit_optimizer_step(runs: dict[tuple[int, int], float]) -> OptimizerFit:
     return OptimizerFit(fixed, per_tensor, 1e3 * per_element_us)
 
 
+@dataclass(frozen=True)
+class RuntimeFit:
+    """The runtime's own work in one step = step_us + us_per_parameter per trained parameter."""
+
+    step_us: float
+    us_per_parameter: float
+    max_error: float  # the largest relative error of the line over the runs, in time outside
+
+
+def fit_runtime_overhead(outside_us: dict[int, float]) -> RuntimeFit:
+    """Least-squares line through the time outside the graphs, keyed by the parameter count
+    of the probe (at least two counts). Each part is clamped at 0 (a noisy measurement must
+    not make a cost negative)."""
+    if len(outside_us) < 2:
+        raise ValueError(f"need runs with at least two parameter counts, got {sorted(outside_us)}")
+    counts = np.array(sorted(outside_us), dtype=float)
+    times = np.array([outside_us[int(c)] for c in counts])
+    slope, intercept = np.polyfit(counts, times, 1)
+    slope, intercept = max(0.0, float(slope)), max(0.0, float(intercept))
+    fitted = intercept + slope * counts
+    error = float(np.max(np.abs(fitted - times) / np.maximum(np.abs(times), 1e-9)))
+    return RuntimeFit(intercept, slope, error)
+
+
 # ------------------------------------------------------------------ the op model of a host
 
 

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel import _torch_internals as internals
 from autoparallel.calibrate.fit import CollectiveSample
+from autoparallel.cost.hardware import Hardware
 
 _ELEMENT = torch.float32
 
@@ -291,3 +292,77 @@ def optimizer_step_us(mesh: DeviceMesh, tensors: int, numel: int, repeats: int) 
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
     dist.barrier()
     return slowest_rank(_median_us(optimizer.step, repeats, device), device)
+
+
+# ------------------------------------------------------------- the runtime's own work
+
+
+class ParameterChain(torch.nn.Module):
+    """The runtime probe: ``parameters`` weights of ``width`` elements, each read by one
+    multiply. Its traced graphs are a few tiny ops per parameter, so a step of its parallel
+    module is mostly the runtime's own work: entering and leaving the forward and the
+    backward, unwrapping each parameter and wrapping and accumulating its gradient."""
+
+    def __init__(self, parameters: int, width: int = 8):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.ones(width)) for _ in range(parameters)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for weight in self.weights:
+            x = x * weight
+        return x.sum()
+
+
+@dataclass(frozen=True)
+class RuntimeSample:
+    """One forward + backward of the probe's parallel module: measured (slowest rank) and
+    what the cost model charges its traced graphs on the hardware it was planned for."""
+
+    parameters: int
+    measured_us: float
+    graphs_us: float
+
+    @property
+    def outside_graphs_us(self) -> float:
+        return self.measured_us - self.graphs_us
+
+
+def runtime_step(
+    mesh: DeviceMesh, parameters: int, hardware: Hardware, repeats: int, rows: int = 4
+) -> RuntimeSample:
+    """Plan :class:`ParameterChain` on ``mesh`` with its input and output replicated (every
+    rank computes the whole step: no collective), build its parallel module as a user does,
+    and time zero_grad + forward + backward; the plan's forward and backward node costs on
+    ``hardware`` are what the cost model already charges."""
+    from torch.distributed.tensor import Replicate
+
+    from autoparallel.api import AutoParallel
+
+    device = torch.device(mesh.device_type)
+    with torch.device("meta"):
+        model = ParameterChain(parameters)
+    x = torch.randn(rows, model.weights[0].numel(), device=device)
+    replicated = tuple(Replicate() for _ in range(mesh.ndim))
+    with AutoParallel(model, lambda: x, mesh, hardware=hardware) as autop:
+        autop.add_input_constraints([replicated])
+        autop.add_output_constraints([replicated])
+        plan = autop.optimize_placement()
+        parallel = autop.apply_placement(plan)
+    if plan.totals.comm_us > 0:
+        raise RuntimeError(f"the runtime probe's plan communicates ({plan.totals.comm_us:.0f} us)")
+    parallel.to_empty(device=device)
+    with torch.no_grad():
+        for weight in parallel.parameters():
+            weight.fill_(1.0)
+    graphs_us = sum(n.compute_us for n in plan.nodes.values() if n.phase != "placeholder")
+
+    def step() -> None:
+        for weight in parallel.parameters():
+            weight.grad = None
+        parallel(x).backward()
+
+    dist.barrier()
+    measured = slowest_rank(_median_us(step, repeats, device), device)
+    return RuntimeSample(parameters, measured, graphs_us)

@@ -33,6 +33,7 @@ from autoparallel.calibrate.fit import (
     fit_graph_bandwidth,
     fit_op_overhead,
     fit_optimizer_step,
+    fit_runtime_overhead,
 )
 from autoparallel.cost.hardware import COLLECTIVES, CPU, CollectiveFit, Hardware
 from autoparallel.cost.profile import write_profile
@@ -58,6 +59,8 @@ class CalibrationSettings:
         optimizer_tensors / optimizer_numel: the optimizer step is timed on (few, 256),
             (many, 256) and (few, optimizer_numel) tensors x elements, and solved for a
             fixed cost per step, a cost per tensor and a cost per element.
+        runtime_parameters: the parameter counts of the probe model whose parallel step
+            measures the runtime's own work outside its graphs (CPU hosts only).
         name: the profile's hardware name (default: ``<device>-<backend>-<host>``).
     """
 
@@ -71,6 +74,7 @@ class CalibrationSettings:
     skinny_matmul_dim: int = 32
     optimizer_tensors: tuple[int, int] = (4, 32)
     optimizer_numel: int = 1 << 20
+    runtime_parameters: tuple[int, ...] = (4, 16, 64)
     name: str | None = None
 
     def sizes(self) -> list[int]:
@@ -128,6 +132,9 @@ def calibrate_group(
         blocks.time_round(settings.repeats, device)
     device_figures.update(blocks.fit(device, device_figures, say, samples))
     hardware = _hardware(settings, device, fits, device_figures, per_node)
+    # last: the probe is planned and priced on the figures above, the op model included
+    if hardware.synchronous_ops:
+        hardware = _time_runtime(mesh, hardware, settings, say, samples)
     measured_on = {
         "backend": dist.get_backend(),
         "world_size": world,
@@ -374,6 +381,43 @@ def _time_optimizer(
         "optimizer_us_per_tensor": fit.us_per_tensor,
         "optimizer_ns_per_element": fit.ns_per_element,
     }
+
+
+def _time_runtime(
+    mesh: Any,
+    hardware: Hardware,
+    settings: CalibrationSettings,
+    say: Callable[[str], None],
+    samples: list,
+) -> Hardware:
+    """The parallel module's own work per step outside its traced graphs, from the probe at
+    a few parameter counts (``measure.runtime_step``), as a line: a fixed part per step and a
+    part per trained parameter. Measured on a synchronous host (CPU) only: on a GPU the host
+    runs ahead of the kernels and this work hides behind them."""
+    outside = {}
+    for parameters in settings.runtime_parameters:
+        sample = measure.runtime_step(mesh, parameters, hardware, settings.repeats)
+        outside[parameters] = sample.outside_graphs_us
+        samples.append(
+            {
+                "what": "runtime_step",
+                "parameters": parameters,
+                "time_us": sample.measured_us,
+                "graphs_us": sample.graphs_us,
+            }
+        )
+        say(
+            f"[calibrate] parallel module step, {parameters} parameters: {sample.measured_us:.0f} us, "
+            f"of which its graphs are priced {sample.graphs_us:.0f} us"
+        )
+    fit = fit_runtime_overhead(outside)
+    say(
+        f"[calibrate] the runtime's own work: {fit.step_us:.0f} us per step + "
+        f"{fit.us_per_parameter:.1f} us per parameter; largest error {100 * fit.max_error:.0f}%"
+    )
+    return dataclasses.replace(
+        hardware, runtime_step_us=fit.step_us, runtime_us_per_parameter=fit.us_per_parameter
+    )
 
 
 def _device_model(device: torch.device, figures: dict[str, float]) -> dict[str, Any]:

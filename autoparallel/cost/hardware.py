@@ -103,6 +103,13 @@ class Hardware:
     optimizer_step_us: float = 0.0
     optimizer_us_per_tensor: float = 0.0
     optimizer_ns_per_element: float = 0.0
+    # the parallel module's own work per training step outside its traced graphs, on a
+    # synchronous host (measured by calibrate on CPU; 0 on a GPU, where the host runs ahead
+    # of the kernels, and in the presets): a fixed part (entering and leaving the forward
+    # and the backward) and a part per trained parameter (unwrapping it from its DTensor,
+    # wrapping and accumulating its gradient)
+    runtime_step_us: float = 0.0
+    runtime_us_per_parameter: float = 0.0
     # how much of a collective hides behind compute that runs at the same time: hiding
     # min(compute, comm) * overlap_fraction of it. 1 would be a device whose collectives
     # never slow its compute; GPUs lose a little to the SMs NCCL's kernels take (0.9);
@@ -114,6 +121,12 @@ class Hardware:
         if not (self.optimizer_us_per_tensor or self.optimizer_ns_per_element):
             return 0.0
         return self.optimizer_us_per_tensor + local_numel * self.optimizer_ns_per_element / 1e3
+
+    def runtime_us(self, parameters: int) -> float:
+        """The runtime's own work in one step of a model training ``parameters`` tensors."""
+        if not parameters:
+            return 0.0
+        return self.runtime_step_us + parameters * self.runtime_us_per_parameter
 
     def collective_fit(self, link: str, collective: str) -> CollectiveFit | None:
         """The measured fit of ``collective`` over ``link``, if the profile has one."""

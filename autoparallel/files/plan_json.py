@@ -428,6 +428,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "compute_us": _num(totals.compute_us),
             "transition_us": _num(totals.transition_us),
             "optimizer_us": _num(totals.optimizer_us),
+            "runtime_us": _num(totals.runtime_us),
             "hidden_comm_us": _num(totals.hidden_comm_us),
             "exposed_comm_us": _num(totals.exposed_comm_us),
             "priced_on": plan.priced_on,
@@ -466,6 +467,8 @@ def hardware_json(topology: Topology) -> dict[str, Any]:
         "memory_bandwidth": _num(hw.memory_bandwidth),
         "kernel_launch_us": _num(hw.kernel_launch_us),
         "memory_bytes": _num(hw.memory_bytes),
+        "runtime_step_us": _num(hw.runtime_step_us),
+        "runtime_us_per_parameter": _num(hw.runtime_us_per_parameter),
         "links": {
             "intra": {
                 "latency_us": _num(hw.intra_node_latency_us),

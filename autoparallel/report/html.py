@@ -216,6 +216,9 @@ def _prediction_note(totals: Mapping[str, Any]) -> str:
         if optimizer > 0
         else "the optimizer step not priced"
     )
+    runtime = t.num(totals.get("runtime_us")) or 0.0
+    if runtime > 0:
+        step += f"; the runtime's own work outside its traced graphs {t.us(runtime)}"
     where = f", priced on <code>{t.esc(priced_on)}</code>" if priced_on else ""
     return (
         f'<p class="legend">The total is the predicted time of one training step (forward and '

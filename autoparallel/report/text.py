@@ -131,6 +131,11 @@ def hardware_lines(data: Mapping[str, Any]) -> list[str]:
         f"bf16 {_rate(hw.get('flops_bf16'), 'FLOP/s')}, memory {_rate(hw.get('memory_bandwidth'), 'B/s')}, "
         f"{_fmt_us(hw.get('kernel_launch_us'))} per op"
     ]
+    if float(hw.get("runtime_step_us") or 0.0) or float(hw.get("runtime_us_per_parameter") or 0.0):
+        lines.append(
+            f"the runtime's own work per step: {_fmt_us(hw.get('runtime_step_us'))} + "
+            f"{_fmt_us(hw.get('runtime_us_per_parameter'))} per trained parameter"
+        )
     fits = [f for f in hw.get("collectives") or [] if isinstance(f, Mapping)]
     if fits:
         lines.append(
@@ -245,9 +250,15 @@ def _optimizer_line(totals: Mapping[str, Any]) -> list[str]:
     optimizer = float(totals.get("optimizer_us") or 0.0)
     priced_on = totals.get("priced_on")
     where = f" (priced on {priced_on})" if priced_on else ""
-    if optimizer <= 0:
-        return [f"optimizer step: not priced{where}"] if priced_on else []
-    return [f"of compute, the optimizer step: {_fmt_us(optimizer)}{where}"]
+    runtime = float(totals.get("runtime_us") or 0.0)
+    lines = []
+    if optimizer > 0:
+        lines.append(f"of compute, the optimizer step: {_fmt_us(optimizer)}{where}")
+    elif priced_on:
+        lines.append(f"optimizer step: not priced{where}")
+    if runtime > 0:
+        lines.append(f"of compute, the runtime's own work outside its graphs: {_fmt_us(runtime)}")
+    return lines
 
 
 def _hotspot_lines(data: Mapping[str, Any], count: int = 5) -> list[str]:

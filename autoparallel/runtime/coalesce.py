@@ -16,6 +16,7 @@ of the bytes on the wire changes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -123,9 +124,23 @@ def _reduce_together(
             for part, t in zip(summed.split([t.numel() for t in tensors]), tensors)
         ]
     ranks, dim = mesh.size(reduction.mesh_dim), reduction.target.dim
-    blocks = [t.chunk(ranks, dim=dim) for t in tensors]
-    # rank-major: rank r's block of every gradient, then rank r+1's
-    flat = torch.cat([block[rank].reshape(-1) for rank in range(ranks) for block in blocks])
-    mine = internals.reduce_scatter_sum(flat, mesh, reduction.mesh_dim)
-    sizes = [block[0].numel() for block in blocks]
-    return [part.view(block[0].shape) for part, block in zip(mine.split(sizes), blocks)]
+    # rank-major: row r holds rank r's block of every gradient, in order
+    rows = torch.cat([rank_blocks(t, ranks, dim) for t in tensors], dim=1)
+    mine = internals.reduce_scatter_sum(rows.view(-1), mesh, reduction.mesh_dim)
+    shapes = [_block_shape(t.shape, ranks, dim) for t in tensors]
+    sizes = [math.prod(shape) for shape in shapes]
+    return [part.view(shape) for part, shape in zip(mine.split(sizes), shapes)]
+
+
+def rank_blocks(tensor: torch.Tensor, ranks: int, dim: int) -> torch.Tensor:
+    """``[ranks, numel / ranks]``: row r is the r-th of ``ranks`` equal blocks of ``tensor``
+    along ``dim``, flattened (views for a contiguous tensor split on ``dim`` 0, else one copy)."""
+    shape = tuple(tensor.shape)
+    blocks = tensor.reshape(*shape[:dim], ranks, shape[dim] // ranks, *shape[dim + 1 :])
+    if dim:
+        blocks = blocks.movedim(dim, 0)
+    return blocks.reshape(ranks, -1)
+
+
+def _block_shape(shape: torch.Size, ranks: int, dim: int) -> tuple[int, ...]:
+    return (*shape[:dim], shape[dim] // ranks, *shape[dim + 1 :])

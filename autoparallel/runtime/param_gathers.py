@@ -116,14 +116,23 @@ class ParameterGathers:
         ranks = self.mesh.size(group.mesh_dim)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         rows = internals.all_gather_rows(flat, self.mesh, group.mesh_dim).view(ranks, -1)
-        offset = 0
-        for (node, wanted), value, tensor in zip(members, values, tensors):
+        parts = rows.split([t.numel() for t in tensors], dim=1)
+        for (node, wanted), value, tensor, part in zip(members, values, tensors, parts):
             shard_dim = value.placements[group.mesh_dim].dim
-            pieces = [
-                rows[rank, offset : offset + tensor.numel()].view(tensor.shape)
-                for rank in range(ranks)
-            ]
-            offset += tensor.numel()
             self.ready[(node, wanted)] = DTensor.from_local(
-                torch.cat(pieces, dim=shard_dim), self.mesh, wanted, run_check=False
+                stack_pieces(part, tuple(tensor.shape), shard_dim),
+                self.mesh,
+                wanted,
+                run_check=False,
             )
+
+
+def stack_pieces(rows: torch.Tensor, shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """The full tensor whose pieces along ``dim`` are ``rows[r]`` (rank r's piece of shape
+    ``shape``, flattened), in rank order: one copy (none when the rows are the gathered
+    buffer itself and ``dim`` is 0), however many ranks."""
+    ranks = rows.shape[0]
+    pieces = rows.view(ranks, *shape)
+    if dim:
+        pieces = pieces.movedim(0, dim)
+    return pieces.reshape(*shape[:dim], ranks * shape[dim], *shape[dim + 1 :])

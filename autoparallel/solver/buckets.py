@@ -12,9 +12,9 @@ The runtime issues two kinds of collective together (``runtime/coalesce.py``,
 Pricing each of them as a collective of its own charges the fixed cost (the latency of every
 ring step) once per tensor: on gloo that is ~1 ms per gradient, so a per-tensor model prefers
 plans that reduce nothing. Here every pair that the runtime would coalesce is priced without
-that latency, plus the copy into the bucket's flat buffer (``pack_us``), plus an equal
-share of it: the latency divided by the bucket's *candidates*, the
-edges that have a pair in it. When every candidate joins (all gradients reduced the same
+that latency, plus the host's work packing it into the bucket and out (``pack_us``), plus
+an equal share of it: the latency divided by the bucket's *candidates*, the edges that have
+a pair in it. When every candidate joins (all gradients reduced the same
 way, a whole layer gathered: the plans that matter) the shares add up to exactly one latency;
 when only some join, the objective pays less than the runtime will, and the plan's totals,
 which charge each bucket in use its whole latency once, say so. A fixed charge proper (a
@@ -54,6 +54,7 @@ from autoparallel.cost.collectives import (
 )
 from autoparallel.cost.topology import Topology
 from autoparallel.strategies.rules import evenly_divisible
+from autoparallel.types.bucketing import packing_ops
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.graph import layer_of
 from autoparallel.types.placements import is_multi, placement_str
@@ -175,7 +176,7 @@ def _coalesced_pairs(
             local_shape(shape, dst if collective == "all_gather" else src, topology.mesh_shape)
         )
         direct = _PRICES[collective](nbytes * value.element_size(), mesh_dim, topology)
-        bucketed = direct - latency + pack_us(edge, src, topology)
+        bucketed = direct - latency + pack_us(edge, src, dst, step, topology)
         if not math.isfinite(comm) or not bucketed < comm - 1e-9:  # impossible, or no gain
             continue
         target = placement_str((dst[mesh_dim],))
@@ -191,16 +192,31 @@ def _coalesced_pairs(
         yield key, k, comm - bucketed, latency
 
 
-def pack_us(edge: EdgeCost, src: object, topology: Topology) -> float:
-    """Copying one member into the bucket's flat buffer: its local bytes read and written
-    once at memory bandwidth, on a synchronous host (CPU) only. On a GPU the copy is one
-    kernel at HBM speed that the host does not wait for (0 here: pricing it there turned
-    the seed's DDP plan into a tie that FSDP won by 1 %)."""
-    if not topology.hardware.synchronous_ops:
+def pack_us(
+    edge: EdgeCost, src: object, dst: object, step: tuple[int, str], topology: Topology
+) -> float:
+    """The host's work for one member of a bucket, on a synchronous host (CPU) only: its
+    local bytes copied into the bucket's flat buffer, and the ops the runtime runs to pack
+    and unpack it (``types.bucketing.packing_ops``: views at the host's dispatch cost,
+    copies of the member's bytes at memory bandwidth). On a GPU these are kernels the host
+    does not wait for (0 here: pricing the copy there turned the seed's DDP plan into a tie
+    that FSDP won by 1 %)."""
+    hardware = topology.hardware
+    if not hardware.synchronous_ops:
         return 0.0
+    mesh_dim, collective = step
     value = edge.producer.meta["val"]
-    nbytes = math.prod(local_shape(tuple(value.shape), src, topology.mesh_shape))
-    return 2 * nbytes * value.element_size() / topology.hardware.memory_bandwidth * 1e6
+    shape, mesh_shape = tuple(value.shape), topology.mesh_shape
+    local_bytes = math.prod(local_shape(shape, src, mesh_shape)) * value.element_size()
+    sharded = dst if collective == "reduce_scatter" else src
+    ops = packing_ops(collective, getattr(sharded[mesh_dim], "dim", None))
+    copied = math.prod(local_shape(shape, dst, mesh_shape)) * value.element_size()
+    copy_bytes = 2 * local_bytes + ops.copies * 2 * copied
+    return (
+        copy_bytes / hardware.memory_bandwidth * 1e6
+        + ops.views * hardware.view_op_us
+        + ops.copies * hardware.kernel_launch_us
+    )
 
 
 def _single_step(

@@ -117,7 +117,9 @@ def build_plan(
         optimizer += tables.topology.hardware.optimizer_step_us  # once per step
     counts = recompute_counts(memory_model(problem).recompute, solution.auxiliary)
     memory = estimate_memory(problem, choice, problem.memory_budget, counts)
-    compute = sum(n.compute_us for n in nodes.values() if n.phase != "placeholder") + optimizer
+    runtime = tables.topology.hardware.runtime_us(len(joint.param_grads))
+    compute = sum(n.compute_us for n in nodes.values() if n.phase != "placeholder")
+    compute += optimizer + runtime
     compute += memory.recompute_us  # the recomputed layers' forward, again in the backward
     comm = sum(n.comm_us for n in nodes.values()) + sum(b.latency_us for b in buckets)
     transition = sum(n.transition_us for n in nodes.values())
@@ -132,7 +134,13 @@ def build_plan(
         input_placements=[placement_of(node) for node in joint.user_inputs],
         output_placements=output_placements,
         totals=CostTotals(
-            compute + comm + transition - hidden, comm, compute, transition, optimizer, hidden
+            compute + comm + transition - hidden,
+            comm,
+            compute,
+            transition,
+            optimizer,
+            hidden,
+            runtime,
         ),
         solver=solution.stats,
         fallbacks=list(space.fallbacks),

@@ -1,8 +1,10 @@
-"""How the runtime cuts gradient reductions into buckets: shared by the runtime, which cuts
-them (runtime/coalesce.py), and the solver, which prices what they overlap with
-(solver/overlap.py)."""
+"""How the runtime cuts gradient reductions into buckets and packs a bucket's members: shared
+by the runtime, which does it (runtime/coalesce.py, runtime/param_gathers.py), and the
+solver, which prices it (solver/buckets.py, solver/overlap.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 BUCKET_CAP_BYTES = 25 << 20
 """The gradient bytes at which a bucket closes (DDP's default ``bucket_cap_mb``). A larger
@@ -40,3 +42,38 @@ def capped_buckets(
     if current:
         buckets.append(current)
     return buckets
+
+
+@dataclass(frozen=True)
+class PackingOps:
+    """The host ops the runtime runs for one member of a coalesced collective, besides its
+    share of the bucket's own ops (one concatenation into the flat buffer, one split of the
+    result): ``views`` only dispatch; each of ``copies`` copies the member's bytes once (the
+    gathered full tensor for an all-gather, the local gradient for a reduce-scatter)."""
+
+    views: int
+    copies: int
+
+
+def packing_ops(collective: str, shard_dim: int | None = None) -> PackingOps:
+    """What the runtime runs per member of a bucket (``runtime/coalesce.py``,
+    ``runtime/param_gathers.py``; ``tests/test_buckets.py`` traces them and checks these
+    counts):
+
+    * ``all_reduce``: the gradient flattened into the buffer, its slice of the result viewed
+      back;
+    * ``reduce_scatter`` to ``Shard(shard_dim)``: the gradient viewed as rank blocks (for
+      ``shard_dim`` > 0 moved rank-first and copied), flattened, and its block of the result
+      viewed back;
+    * ``all_gather`` from ``Shard(shard_dim)``: the shard flattened into the buffer, then its
+      slice of the gathered rows viewed as the ranks' pieces (moved to ``shard_dim`` for
+      ``shard_dim`` > 0) and copied into the full tensor.
+    """
+    moved = 1 if shard_dim else 0
+    if collective == "all_reduce":
+        return PackingOps(views=2, copies=0)
+    if collective == "reduce_scatter":
+        return PackingOps(views=3 + moved, copies=moved)
+    if collective == "all_gather":
+        return PackingOps(views=3 + moved, copies=1)
+    raise ValueError(f"the runtime coalesces no {collective!r}")

@@ -90,8 +90,9 @@ class CostTotals:
 
     ``comm_us`` is all the step's communication; ``hidden_comm_us`` the part of it that runs
     behind compute (see :class:`OverlapCost`), so ``exposed_comm_us`` is what the step waits
-    for. ``optimizer_us`` is the optimizer step's part of ``compute_us`` (0 where the
-    hardware does not price it: the presets)."""
+    for. ``optimizer_us`` is the optimizer step's part of ``compute_us`` and ``runtime_us``
+    the parallel module's own work outside its traced graphs (both 0 where the hardware does
+    not price them: the presets)."""
 
     total_us: float
     comm_us: float
@@ -99,6 +100,7 @@ class CostTotals:
     transition_us: float
     optimizer_us: float = 0.0
     hidden_comm_us: float = 0.0
+    runtime_us: float = 0.0
 
     @property
     def exposed_comm_us(self) -> float:
