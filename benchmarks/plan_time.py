@@ -10,6 +10,11 @@ communicates (fake process group).
     python benchmarks/plan_time.py --model hf-llama3-8b --mesh 8x8   # transformers' LlamaForCausalLM
     python benchmarks/plan_time.py --model llama3-8b --mesh 8x8 --mixed-precision \
         --memory-budget halfway --activation-checkpointing auto
+    python benchmarks/plan_time.py --model moe-16b --mesh 8x8   # mesh dims named dp, ep
+
+``moe-tiny`` and ``moe-16b`` are the mixture-of-experts reference model
+(``autoparallel.models.moe``); its routed experts are split over the mesh dim named ``ep``,
+so a 2-D mesh is named ("dp", "ep") and a 3-D one ("dp", "ep", "tp").
 
 ``--memory-budget halfway`` first plans without a memory constraint (timed apart, as
 ``reference_s``) and then budgets halfway between that plan's peak and the smallest peak any
@@ -38,6 +43,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
 from autoparallel.models import Llama, llama_config
+from autoparallel.models.moe import MoETransformer, moe_config
+
+MOE_MODELS = ("moe-tiny", "moe-16b")
+MOE_MESH_NAMES = {1: ("ep",), 2: ("dp", "ep"), 3: ("dp", "ep", "tp")}
 
 
 def hf_llama_like(config, seq: int):
@@ -111,7 +120,8 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default="llama3-8b",
-        help="llama3-8b, llama3-70b or tiny; hf-llama3-8b etc. for Hugging Face's model",
+        help="llama3-8b, llama3-70b or tiny; hf-llama3-8b etc. for Hugging Face's model; "
+        "moe-tiny or moe-16b",
     )
     parser.add_argument("--mesh", default="8x8")
     parser.add_argument("--layers", type=int, default=None, help="default: the model's own depth")
@@ -156,11 +166,20 @@ def main() -> None:
 
     shape = tuple(int(s) for s in args.mesh.split("x"))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
-    mesh = init_device_mesh("cpu", shape)
+    moe = args.model in MOE_MODELS
+    mesh = init_device_mesh(
+        "cpu", shape, mesh_dim_names=MOE_MESH_NAMES[len(shape)] if moe else None
+    )
     overrides = {} if args.layers is None else {"n_layers": args.layers}
-    config = llama_config(args.model.removeprefix("hf-"), **overrides)
     with torch.device("meta"):
-        model = hf_llama_like(config, args.seq) if args.model.startswith("hf-") else Llama(config)
+        if moe:
+            config = moe_config(args.model, **overrides)
+            model = MoETransformer(config)
+        else:
+            config = llama_config(args.model.removeprefix("hf-"), **overrides)
+            model = (
+                hf_llama_like(config, args.seq) if args.model.startswith("hf-") else Llama(config)
+            )
     batch_sharded = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
 
     mp_policy = (

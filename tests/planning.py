@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import subprocess
 from collections.abc import Callable, Sequence
 
 import torch
@@ -56,3 +59,14 @@ def budget_only_recomputing_meets(optimizer) -> float:
     from autoparallel.solver.memory import build_memory_model, smallest_peak
 
     return 0.95 * smallest_peak(build_memory_model(optimizer.problem, "adamw"))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """The ``autoparallel`` command run in this process (``main`` returns its exit status;
+    ``plan`` destroys its fake process group on the way out, success or not)."""
+    from autoparallel.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, stdout.getvalue(), stderr.getvalue())

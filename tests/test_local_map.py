@@ -117,7 +117,7 @@ def test_adjoint_gradient_placements():
 def test_the_cli_plans_the_moe_with_experts_over_ep(tmp_path):
     import json
 
-    from test_report_cli import run_cli
+    from planning import run_cli
 
     out = tmp_path / "plan.json"
     done = run_cli(

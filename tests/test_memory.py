@@ -10,9 +10,8 @@ import json
 import pytest
 import torch
 from conftest import meta
-from planning import TINY_PLAN_ARGS, Replicate, Shard, budget_only_recomputing_meets
+from planning import TINY_PLAN_ARGS, Replicate, Shard, budget_only_recomputing_meets, run_cli
 from runtime_cases import memory_matches_plan
-from test_report_cli import run_cli
 
 from autoparallel import AutoParallel, InfeasibleConstraintsError
 from autoparallel.models import MLP, Llama, llama_config

@@ -9,8 +9,6 @@ without an interpreter's start-up (``plan`` destroys its fake process group when
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -19,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from planning import TINY_PLAN_ARGS
+from planning import TINY_PLAN_ARGS, run_cli
 
 from autoparallel.files.plan_json import (
     READ_VERSIONS,
@@ -249,17 +247,6 @@ def test_page_renders_in_headless_chromium(tmp_path: Path, sample: dict) -> None
 
 
 # ---------------------------------------------------------------------------- command line
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """The ``autoparallel`` command run in this process (``main`` returns its exit status;
-    ``plan`` destroys its fake process group on the way out, success or not)."""
-    from autoparallel.cli import main
-
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(list(args))
-    return subprocess.CompletedProcess(list(args), code, stdout.getvalue(), stderr.getvalue())
 
 
 def run_cli_process(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
