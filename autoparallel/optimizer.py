@@ -165,7 +165,7 @@ class ShardingOptimizer:
             shared = share_by_use(self.problem, members_in_use(self.problem, solution.choice))
             if not fit_shares(self.problem, solution.choice) and not shared:
                 break
-            retry = solve(self.problem, self.options)
+            retry = solve(self.problem, self.options, warm_start=solution)
             retry_plan = build_plan(self.problem, retry, self.mesh_dim_names)
             logger.info(
                 "prices refitted to the plan: re-solved, %.1f us -> %.1f us",

@@ -65,9 +65,11 @@ def test_small_problems_go_straight_to_the_mip(fake_mesh):
     assert outcome.highs.getOptionValue("solve_relaxation")[1] is False
 
 
-def test_relax_and_fix_meets_a_binding_memory_budget(fake_mesh):
-    """A budget that binds leaves the relaxation fractional; fixing what it chose above 0.5
-    gives a plan within the budget and within fix_gap of the exact MIP's objective."""
+@pytest.mark.parametrize("priced, method", [(True, "lp+price"), (False, "lp+fix")])
+def test_a_binding_memory_budget_is_met_near_the_exact_optimum(fake_mesh, priced, method):
+    """A budget that binds leaves the relaxation fractional. Pricing the budget into the
+    objective, or fixing what the relaxation chose above 0.5, gives a plan within the budget
+    and within fix_gap of the exact MIP's objective."""
     autop = _autop(fake_mesh((4,)))
     optimizer = autop.sharding_optimizer
     optimizer.remove_constraints(["parameter_memory"])
@@ -75,14 +77,30 @@ def test_relax_and_fix_meets_a_binding_memory_budget(fake_mesh):
     budget = 0.7 * free.memory.peak
     optimizer.add_memory_constraint(budget)
     problem = optimizer.problem
-    options = SolverOptions(lp_first_min_variables=0)
+    options = SolverOptions(lp_first_min_variables=0, priced_search=priced)
     fixed = solve(problem, options)
     exact = solve(problem, SolverOptions(lp_first=False))
-    assert fixed.stats.method == "lp+fix"
+    assert fixed.stats.method == method
     assert fixed.stats.bound <= exact.stats.objective + 1e-6 <= fixed.stats.objective + 2e-6
     assert fixed.stats.objective <= exact.stats.objective * (1 + options.fix_gap)
     assert estimate_memory(problem, fixed.choice).peak <= budget * (1 + 1e-9)
 
+
+
+def test_a_solve_from_an_earlier_basis_reaches_the_same_optimum(fake_mesh):
+    """ShardingOptimizer.resolve's refits start from the last relaxation's basis: at other
+    prices the optimum is the cold solve's, and at the same prices it is the same plan."""
+    problem = _autop(fake_mesh((2, 2))).sharding_optimizer.problem
+    options = SolverOptions(lp_first_min_variables=0)
+    first = solve(problem, options)
+    assert first.warm_start is not None
+    again = solve(problem, options, warm_start=first)
+    assert again.stats.objective == pytest.approx(first.stats.objective)
+    assert again.choice == first.choice
+    problem.objective = problem.objective * 1.5 + 0.25  # other prices, same rows and columns
+    cold = solve(problem, options)
+    warm = solve(problem, options, warm_start=first)
+    assert warm.stats.objective == pytest.approx(cold.stats.objective, rel=1e-9)
 
 def test_cost_tables_hold_the_reference_prices(fake_mesh):
     autop = _autop(fake_mesh((2, 2)))

@@ -242,7 +242,8 @@ def _constraint_record(constraint: UserConstraint) -> dict:
         "name": constraint.name,
         "description": constraint.description,
         "rows": [
-            [r.columns.tolist(), r.values.tolist(), r.lower, r.upper] for r in constraint.rows
+            [r.columns.tolist(), r.values.tolist(), r.lower, r.upper, r.budget]
+            for r in constraint.rows
         ],
     }
     columns = constraint.columns
@@ -403,8 +404,8 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
     problem.activation_checkpointing = memory.get("activation_checkpointing", "off")
     for record in meta["user_constraints"]:
         rows = [
-            Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi)
-            for c, v, lo, hi in record["rows"]
+            Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi, *budget)
+            for c, v, lo, hi, *budget in record["rows"]  # older files: no budget flag
         ]
         columns = _auxiliary_columns(record.get("columns"))
         problem.add_constraint(UserConstraint(record["name"], record["description"], rows, columns))

@@ -216,7 +216,7 @@ def _row(
     row = Row(np.concatenate(columns), np.concatenate(values) / MIB, -np.inf, budget / MIB)
     merged = row.merged()
     keep = merged.values != 0.0
-    return Row(merged.columns[keep], merged.values[keep], -np.inf, budget / MIB)
+    return Row(merged.columns[keep], merged.values[keep], -np.inf, budget / MIB, budget=True)
 
 
 def _move_bytes(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray]:

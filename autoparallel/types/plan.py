@@ -9,6 +9,7 @@ index per node) from which ``solver/plan.py`` builds the Plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx as fx
 
@@ -27,7 +28,9 @@ class SolverStats:
     num_variables: int
     num_constraints: int
     # "lp": the LP relaxation came out integral (a proven optimum without branching);
-    # "mip": branch and bound ran (small problems, or a fractional relaxation)
+    # "lp+price": a memory budget priced into the objective gave a plan within fix_gap of
+    # the relaxation's bound; "lp+fix": relax and fix (or branching on the recompute
+    # counts) did; "mip": branch and bound ran (small problems, or a fractional relaxation)
     method: str = "mip"
 
 
@@ -37,6 +40,9 @@ class Solution:
     stats: SolverStats
     # values of the constraints' auxiliary columns by name (types/problem.AuxiliaryColumns)
     auxiliary: dict[str, float] = field(default_factory=dict)
+    # the solver's basis at the relaxation's optimum (opaque, never saved): a re-solve of the
+    # same rows and columns at other prices starts from it (ShardingOptimizer.resolve's refits)
+    warm_start: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

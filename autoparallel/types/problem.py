@@ -37,19 +37,24 @@ class Folding:
 
 @dataclass
 class Row:
-    """One linear constraint ``lower <= sum(values * x[columns]) <= upper``."""
+    """One linear constraint ``lower <= sum(values * x[columns]) <= upper``.
+
+    ``budget`` marks a resource budget (memory per device) rather than structure: the solver
+    may move such a row into the objective at a price per unit (solver/highs.py's priced
+    search) and check it on the plan it gets."""
 
     columns: np.ndarray
     values: np.ndarray
     lower: float
     upper: float
+    budget: bool = False
 
     def merged(self) -> Row:
         """The same row with repeated columns (folded nodes share them) summed into one."""
         columns, inverse = np.unique(self.columns, return_inverse=True)
         values = np.zeros(len(columns))
         np.add.at(values, inverse, self.values)
-        return Row(columns, values, self.lower, self.upper)
+        return Row(columns, values, self.lower, self.upper, self.budget)
 
 
 @dataclass(frozen=True)
