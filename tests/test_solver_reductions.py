@@ -86,7 +86,6 @@ def test_a_binding_memory_budget_is_met_near_the_exact_optimum(fake_mesh, priced
     assert estimate_memory(problem, fixed.choice).peak <= budget * (1 + 1e-9)
 
 
-
 def test_a_solve_from_an_earlier_basis_reaches_the_same_optimum(fake_mesh):
     """ShardingOptimizer.resolve's refits start from the last relaxation's basis: at other
     prices the optimum is the cold solve's, and at the same prices it is the same plan."""
@@ -101,6 +100,7 @@ def test_a_solve_from_an_earlier_basis_reaches_the_same_optimum(fake_mesh):
     cold = solve(problem, options)
     warm = solve(problem, options, warm_start=first)
     assert warm.stats.objective == pytest.approx(cold.stats.objective, rel=1e-9)
+
 
 def test_cost_tables_hold_the_reference_prices(fake_mesh):
     autop = _autop(fake_mesh((2, 2)))
