@@ -101,7 +101,7 @@ def parameter_memory_constraint(
     lower = 0.0 if low is None else float(low)
     if lower > upper:
         raise ValueError(f"parameter memory constraint has low={lower:.0f} B > high={upper:.0f} B")
-    rows = [Row(columns, values / MIB, lower / MIB, upper / MIB, budget=True).merged()]
+    rows = [Row(columns, values / MIB, lower / MIB, upper / MIB).merged()]
     if upper <= smallest * (1 + 1e-6) + 1.0:
         rows.extend(_smallest_memory_rows(problem, columns, values))
     description = (

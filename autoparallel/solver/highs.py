@@ -21,10 +21,12 @@ runs over the rest (seconds). Its plan is accepted when it is within ``fix_gap``
 relaxation's objective, a lower bound on every plan's (``plan.solver.gap`` says how far);
 otherwise the full MIP runs, starting from it.
 
-Priced search first: where the relaxation is fractional because of budget rows (a memory
-budget), pricing those rows into the objective (solver/priced.py) gives an integral plan
-within the budget in a few warm-started LP solves; it is accepted within ``fix_gap`` of the
-relaxation's bound ("lp+price"), else it is the plan to beat for what follows.
+Priced search: where a memory budget binds, pricing its rows into the objective
+(solver/priced.py) gives an integral plan within the budget in a few warm-started LP solves,
+once before the relaxation (with a Lagrangian lower bound of its own; the relaxation of a
+binding budget can take minutes) and once after a fractional relaxation (at its duals). A
+plan within ``fix_gap`` of its bound is accepted ("lp+price"); else it is the plan to beat
+for what follows, and the plan returned if the relaxation does not finish in time.
 
 Branch on the counts: a memory constraint that may recompute layers adds a few integer
 columns (how many layers of each class, solver/recompute.py). The relaxation spreads a count
@@ -38,12 +40,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import highspy
 import numpy as np
 
-from autoparallel.solver.priced import priced_plan
+from autoparallel.solver.priced import PricedPlan, priced_from_scratch, priced_plan
 from autoparallel.types.plan import Solution, SolverStats
 from autoparallel.types.problem import AuxiliaryColumns, Problem, Row
 
@@ -207,8 +210,21 @@ def _run(
         and problem.integrality.any()
         and (problem.num_variables >= options.lp_first_min_variables or len(counts))
     ):
+        found = _priced(priced_from_scratch, highs, problem, rows, auxiliary, options, remaining())
+        early = None if found is None else _Candidate(found.objective, found.values)
+        if early is not None and early.gap(found.bound) <= options.fix_gap:
+            elapsed = time.perf_counter() - start
+            if early.objective <= found.bound:  # the plan without the budget meets it
+                basis = highs.getBasis()  # of that plan's LP, the last one solved
+                return _Outcome(highs, "Optimal", elapsed, "lp", found.bound, early, basis)
+            return _Outcome(highs, "Optimal", elapsed, "lp+price", found.bound, early)
+        highs.setOptionValue("time_limit", remaining())
         status = _relaxation(highs, options, warm_start)
         basis = highs.getBasis() if status.lower() == "optimal" else None
+        if early is not None and status.lower() != "optimal" and not _is_infeasible(status):
+            # the relaxation did not finish: the priced plan is the best there is
+            elapsed = time.perf_counter() - start
+            return _Outcome(highs, status, elapsed, "lp+price", found.bound, early)
         if _is_infeasible(status) or (
             status.lower() == "optimal" and _integral(highs, problem, auxiliary, options)
         ):
@@ -219,7 +235,10 @@ def _run(
         if status.lower() == "optimal":
             bound = float(highs.getInfo().objective_function_value)
             relaxed = np.asarray(highs.getSolution().col_value)
-            priced = _priced(highs, problem, rows, auxiliary, options, remaining())
+            at_duals = _priced(priced_plan, highs, problem, rows, auxiliary, options, remaining())
+            priced = None if at_duals is None else _Candidate(at_duals.objective, at_duals.values)
+            if early is not None and (priced is None or early.objective < priced.objective):
+                priced = early
             if priced is not None and priced.gap(bound) <= options.fix_gap:
                 elapsed = time.perf_counter() - start
                 return _Outcome(highs, "Optimal", elapsed, "lp+price", bound, priced, basis)
@@ -415,39 +434,47 @@ def _branch_on_counts(
     return best, min(bound, best.objective)
 
 
+def _integral_mask(problem: Problem, auxiliary: AuxiliaryColumns | None) -> np.ndarray:
+    integral = np.asarray(problem.integrality, dtype=bool)
+    if auxiliary is None:
+        return integral
+    return np.concatenate([integral, np.asarray(auxiliary.integral, dtype=bool)])
+
+
 def _priced(
+    search: Callable[..., PricedPlan | None],
     highs: highspy.Highs,
     problem: Problem,
     rows: list[Row],
     auxiliary: AuxiliaryColumns | None,
     options: SolverOptions,
     time_limit_s: float,
-) -> _Candidate | None:
-    """The priced search's plan (solver/priced.py) over the budget rows, with its
-    objective; None without budget rows or when it finds none."""
+) -> PricedPlan | None:
+    """``search`` (solver/priced.py: ``priced_from_scratch`` before the relaxation, which a
+    budget can make slow, or ``priced_plan`` after a fractional one) over the budget rows;
+    None without budget rows or when it finds no plan within them."""
     budget = [index for index, row in enumerate(rows) if row.budget]
     if not budget or not options.priced_search:
         return None
-    integral = np.asarray(problem.integrality, dtype=bool)
-    if auxiliary is not None:
-        integral = np.concatenate([integral, np.asarray(auxiliary.integral, dtype=bool)])
     began = time.perf_counter()
-    values = priced_plan(
+    found = search(
         highs,
         rows,
         budget,
-        integral,
+        _integral_mask(problem, auxiliary),
         lambda: _relaxation(highs, options),
         began + time_limit_s,
         options.integrality_tolerance,
     )
-    if values is None:
-        logger.info("priced search: no plan within the budget")
-        return None
-    costs = np.asarray(highs.getLp().col_cost_, dtype=np.float64)
-    plan = _Candidate(float(costs @ values), values)
-    logger.info("priced search: a plan in %.2f s", time.perf_counter() - began)
-    return plan
+    elapsed = time.perf_counter() - began
+    if found is None:
+        logger.info("%s: no plan within the budget (%.2f s)", search.__name__, elapsed)
+    else:
+        gap = _Candidate(found.objective, found.values).gap(found.bound)
+        logger.info(
+            "%s: a plan in %.2f s, %.2f%% above its bound", search.__name__, elapsed, 100 * gap
+        )
+    return found
 
 
 def _count_columns(problem: Problem, auxiliary: AuxiliaryColumns | None) -> np.ndarray:

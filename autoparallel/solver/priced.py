@@ -19,8 +19,10 @@ whether that is close enough or improves it (``solver/highs.py``).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import highspy
 import numpy as np
@@ -35,6 +37,16 @@ BISECTIONS = 5
 it: the plan found gets within 2**-5 of that interval of the cheapest price that fits."""
 
 
+@dataclass
+class PricedPlan:
+    """A plan that meets the budget rows (column values), its objective, and a lower bound
+    on every plan's objective (the best Lagrangian bound seen)."""
+
+    values: np.ndarray
+    objective: float
+    bound: float
+
+
 def priced_plan(
     highs: highspy.Highs,
     rows: Sequence[Row],
@@ -43,65 +55,151 @@ def priced_plan(
     solve_relaxation: Callable[[], str],
     deadline: float,
     tolerance: float = 1e-6,
-) -> np.ndarray | None:
-    """Column values of an integral plan that meets every budget row, or None.
+) -> PricedPlan | None:
+    """An integral plan that meets every budget row (its bound: -inf, the caller has the
+    relaxation's), or None.
 
     ``highs`` holds the model whose rows are ``rows``, solved to its relaxation's optimum;
-    ``budget_indices`` are the rows to price; ``integral`` flags the integer columns;
-    ``solve_relaxation()`` re-solves the relaxation of the model ``highs`` holds and returns
-    its status. The model's costs and row bounds are restored before returning."""
+    the budget rows (``budget_indices``) are priced at that optimum's duals, scaled.
+    ``integral`` flags the integer columns; ``solve_relaxation()`` re-solves the relaxation
+    of the model ``highs`` holds and returns its status. The model's costs and row bounds
+    are restored before returning."""
     if not budget_indices:
         return None
-    num_cols = highs.getNumCol()
     duals = np.asarray(highs.getSolution().row_dual)
-    price = np.zeros(num_cols)
+    price = np.zeros(highs.getNumCol())
     for index in budget_indices:
         row = rows[index]
         np.add.at(price, row.columns, -duals[index] * row.values)
     if not np.any(price):
         return None  # no budget row binds at the relaxation's optimum
-    costs = np.asarray(highs.getLp().col_cost_, dtype=np.float64).copy()
-    all_columns = np.arange(num_cols, dtype=np.int32)
+    search = _Search(highs, rows, budget_indices, integral, solve_relaxation, deadline, tolerance)
+    with search.without_budget_rows():
+        found = search.cheapest_fit(price, 1.0)
+    return None if found is None else PricedPlan(found, float(search.costs @ found), -np.inf)
 
-    def plan_at(scale: float) -> tuple[bool, np.ndarray | None]:
-        highs.changeColsCost(num_cols, all_columns, costs + scale * price)
-        highs.setOptionValue("time_limit", max(1e-3, deadline - time.perf_counter()))
-        if solve_relaxation().lower() != "optimal":
-            return False, None
-        values = np.asarray(highs.getSolution().col_value)
-        whole = np.all(np.abs(values[integral] - np.round(values[integral])) <= tolerance)
-        return bool(whole and _meets(rows, budget_indices, values, tolerance)), values
 
+def priced_from_scratch(
+    highs: highspy.Highs,
+    rows: Sequence[Row],
+    budget_indices: Sequence[int],
+    integral: np.ndarray,
+    solve_relaxation: Callable[[], str],
+    deadline: float,
+    tolerance: float = 1e-6,
+) -> PricedPlan | None:
+    """The priced search without the relaxation's duals, for a relaxation too slow to wait
+    for: the budget rows leave the model and their mean enters the objective, at a price
+    starting where it adds 1 % to the budget-free plan's time. Every priced LP also bounds
+    the optimum from below (Lagrangian duality: ``c x + price (a x - budget)`` at the LP's
+    optimum, the budget being every row's upper bound), so the plan comes with its gap.
+    None when nothing fits (or the budget rows are not all upper bounds alike)."""
+    uppers = {rows[index].upper for index in budget_indices}
+    if not budget_indices or len(uppers) != 1 or not np.isfinite(next(iter(uppers))):
+        return None
+    budget = next(iter(uppers))
+    price = np.zeros(highs.getNumCol())
     for index in budget_indices:
-        highs.changeRowBounds(index, -highspy.kHighsInf, highspy.kHighsInf)
-    try:
-        low, high, found = 1.0, 1.0, None
+        np.add.at(price, rows[index].columns, rows[index].values / len(budget_indices))
+    search = _Search(highs, rows, budget_indices, integral, solve_relaxation, deadline, tolerance)
+    with search.without_budget_rows():
+        fits, free = search.plan_at(price, 0.0)
+        if free is None:
+            return None
+        objective = float(search.costs @ free)
+        if fits:
+            return PricedPlan(free, objective, objective)
+        used = float(price @ free)
+        if not used > 0:
+            return None
+        start = 0.01 * max(abs(objective), 1e-9) / used
+        search.bound_of = lambda values, scale: float(
+            search.costs @ values + scale * (price @ values - budget)
+        )
+        found = search.cheapest_fit(price, start)
+    if found is None:
+        return None
+    return PricedPlan(found, float(search.costs @ found), max(search.bounds, default=-np.inf))
+
+
+class _Search:
+    """Doubling then bisection of the price's scale over the LP without the budget rows."""
+
+    def __init__(
+        self,
+        highs: highspy.Highs,
+        rows: Sequence[Row],
+        budget_indices: Sequence[int],
+        integral: np.ndarray,
+        solve_relaxation: Callable[[], str],
+        deadline: float,
+        tolerance: float,
+    ):
+        self.highs, self.rows, self.budget_indices = highs, rows, list(budget_indices)
+        self.integral, self.solve_relaxation = integral, solve_relaxation
+        self.deadline, self.tolerance = deadline, tolerance
+        self.num_cols = highs.getNumCol()
+        self.columns = np.arange(self.num_cols, dtype=np.int32)
+        self.costs = np.asarray(highs.getLp().col_cost_, dtype=np.float64).copy()
+        self.bound_of: Callable[[np.ndarray, float], float] | None = None
+        self.bounds: list[float] = []
+
+    @contextlib.contextmanager
+    def without_budget_rows(self) -> Iterator[None]:
+        """The budget rows free while inside; costs and row bounds restored after."""
+        for index in self.budget_indices:
+            self.highs.changeRowBounds(index, -highspy.kHighsInf, highspy.kHighsInf)
+        try:
+            yield
+        finally:
+            self.highs.changeColsCost(self.num_cols, self.columns, self.costs)
+            for index in self.budget_indices:
+                row = self.rows[index]
+                self.highs.changeRowBounds(index, row.lower, row.upper)
+
+    def plan_at(self, price: np.ndarray, scale: float) -> tuple[bool, np.ndarray | None]:
+        """(whether it is integral and meets every budget row, its values) of the LP priced
+        at ``scale`` x ``price``; (False, None) when the LP did not solve."""
+        self.highs.changeColsCost(self.num_cols, self.columns, self.costs + scale * price)
+        self.highs.setOptionValue("time_limit", max(1e-3, self.deadline - time.perf_counter()))
+        if self.solve_relaxation().lower() != "optimal":
+            return False, None
+        values = np.asarray(self.highs.getSolution().col_value)
+        if self.bound_of is not None:
+            self.bounds.append(self.bound_of(values, scale))
+        at = values[self.integral]
+        whole = np.all(np.abs(at - np.round(at)) <= self.tolerance)
+        return bool(
+            whole and _meets(self.rows, self.budget_indices, values, self.tolerance)
+        ), values
+
+    def cheapest_fit(self, price: np.ndarray, start: float) -> np.ndarray | None:
+        """Double the scale from ``start`` until the plan fits, then bisect towards the
+        last scale that did not; the cheapest fitting plan seen, or None."""
+        low, high, found = 0.0, start, None
         for _ in range(MAX_DOUBLINGS + 1):
-            if time.perf_counter() >= deadline:
+            if time.perf_counter() >= self.deadline:
                 return None
-            fits, values = plan_at(high)
+            fits, values = self.plan_at(price, high)
             if fits:
                 found = values
                 break
             low, high = high, 2 * high
         if found is None:
             return None
+        low = max(low, start / 2) if low == 0.0 else low
         for _ in range(BISECTIONS):
-            if time.perf_counter() >= deadline or high == 1.0:
+            if time.perf_counter() >= self.deadline:
                 break
             middle = (low + high) / 2
-            fits, values = plan_at(middle)
-            if fits and float(costs @ values) <= float(costs @ found):
-                found, high = values, middle
-            elif fits:
+            fits, values = self.plan_at(price, middle)
+            if fits:
                 high = middle
+                if float(self.costs @ values) <= float(self.costs @ found):
+                    found = values
             else:
                 low = middle
         return found
-    finally:
-        highs.changeColsCost(num_cols, all_columns, costs)
-        for index in budget_indices:
-            highs.changeRowBounds(index, rows[index].lower, rows[index].upper)
 
 
 def _meets(
