@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from autoparallel.solver.priced import PricedPlan, priced_from_scratch, priced_plan
+from autoparallel.solver.priced import PricedPlan, allow, priced_from_scratch, priced_plan
 from autoparallel.types.plan import Solution, SolverStats
 from autoparallel.types.problem import AuxiliaryColumns, Problem, Row
 
@@ -210,7 +210,12 @@ def _run(
         and problem.integrality.any()
         and (problem.num_variables >= options.lp_first_min_variables or len(counts))
     ):
-        found = _priced(priced_from_scratch, highs, problem, rows, auxiliary, options, remaining())
+        # a re-solve at refitted prices starts its relaxation warm: no search before it
+        found = (
+            None
+            if warm_start is not None
+            else _priced(priced_from_scratch, highs, problem, rows, auxiliary, options, remaining())
+        )
         early = None if found is None else _Candidate(found.objective, found.values)
         if early is not None and early.gap(found.bound) <= options.fix_gap:
             elapsed = time.perf_counter() - start
@@ -218,7 +223,7 @@ def _run(
                 basis = highs.getBasis()  # of that plan's LP, the last one solved
                 return _Outcome(highs, "Optimal", elapsed, "lp", found.bound, early, basis)
             return _Outcome(highs, "Optimal", elapsed, "lp+price", found.bound, early)
-        highs.setOptionValue("time_limit", remaining())
+        allow(highs, remaining())
         status = _relaxation(highs, options, warm_start)
         basis = highs.getBasis() if status.lower() == "optimal" else None
         if early is not None and status.lower() != "optimal" and not _is_infeasible(status):
@@ -259,7 +264,7 @@ def _run(
                 "relax and fix found no plan within %.1f%%: running branch and bound",
                 100 * options.fix_gap,
             )
-        highs.setOptionValue("time_limit", remaining())
+        allow(highs, remaining())
     highs.run()
     status = highs.modelStatusToString(highs.getModelStatus())
     return _Outcome(highs, status, time.perf_counter() - start, "mip", None)
@@ -341,7 +346,7 @@ def _fix_in_turn(
             continue
         count = len(fixed)
         highs.changeColsBounds(count, fixed, np.ones(count), np.ones(count))
-        highs.setOptionValue("time_limit", max(_MIN_STEP_S, deadline - time.perf_counter()))
+        allow(highs, deadline - time.perf_counter())
         highs.run()
         status = highs.modelStatusToString(highs.getModelStatus())
         found = highs.getInfo().primal_solution_status == _FEASIBLE
@@ -396,7 +401,7 @@ def _branch_on_counts(
             bounds.append(parent)
             continue
         highs.changeColsBounds(len(counts), counts, lower, upper)
-        highs.setOptionValue("time_limit", max(_MIN_STEP_S, deadline - time.perf_counter()))
+        allow(highs, deadline - time.perf_counter())
         status = _relaxation(highs, options)
         if status.lower() != "optimal":
             continue  # infeasible (or stopped): no plan with these counts
@@ -466,14 +471,7 @@ def _priced(
         began + time_limit_s,
         options.integrality_tolerance,
     )
-    elapsed = time.perf_counter() - began
-    if found is None:
-        logger.info("%s: no plan within the budget (%.2f s)", search.__name__, elapsed)
-    else:
-        gap = _Candidate(found.objective, found.values).gap(found.bound)
-        logger.info(
-            "%s: a plan in %.2f s, %.2f%% above its bound", search.__name__, elapsed, 100 * gap
-        )
+    logger.info("%s: %s (%.2f s)", search.__name__, found or "no plan", time.perf_counter() - began)
     return found
 
 

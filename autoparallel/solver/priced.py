@@ -46,6 +46,12 @@ class PricedPlan:
     objective: float
     bound: float
 
+    def __str__(self) -> str:
+        if not np.isfinite(self.bound):
+            return f"a plan of {self.objective:.1f} us"
+        gap = max(0.0, (self.objective - self.bound) / max(abs(self.objective), 1e-12))
+        return f"a plan of {self.objective:.1f} us, {100 * gap:.2f}% above its bound"
+
 
 def priced_plan(
     highs: highspy.Highs,
@@ -161,7 +167,7 @@ class _Search:
         """(whether it is integral and meets every budget row, its values) of the LP priced
         at ``scale`` x ``price``; (False, None) when the LP did not solve."""
         self.highs.changeColsCost(self.num_cols, self.columns, self.costs + scale * price)
-        self.highs.setOptionValue("time_limit", max(1e-3, self.deadline - time.perf_counter()))
+        allow(self.highs, self.deadline - time.perf_counter())
         if self.solve_relaxation().lower() != "optimal":
             return False, None
         values = np.asarray(self.highs.getSolution().col_value)
@@ -200,6 +206,13 @@ class _Search:
             else:
                 low = middle
         return found
+
+
+def allow(highs: highspy.Highs, seconds: float) -> None:
+    """Let the next run of ``highs`` take ``seconds`` more (at least a millisecond).
+    HiGHS's ``time_limit`` counts the instance's run time over all its runs, not the next
+    run's: a limit of "what is left" set after earlier runs would stop it at once."""
+    highs.setOptionValue("time_limit", highs.getRunTime() + max(1e-3, seconds))
 
 
 def _meets(
