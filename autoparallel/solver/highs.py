@@ -46,7 +46,13 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from autoparallel.solver.priced import PricedPlan, allow, priced_from_scratch, priced_plan
+from autoparallel.solver.priced import (
+    PricedPlan,
+    PriceSearch,
+    allow,
+    priced_from_scratch,
+    priced_plan,
+)
 from autoparallel.types.plan import Solution, SolverStats
 from autoparallel.types.problem import AuxiliaryColumns, Problem, Row
 
@@ -463,13 +469,15 @@ def _priced(
         return None
     began = time.perf_counter()
     found = search(
-        highs,
-        rows,
-        budget,
-        _integral_mask(problem, auxiliary),
-        lambda: _relaxation(highs, options),
-        began + time_limit_s,
-        options.integrality_tolerance,
+        PriceSearch(
+            highs,
+            rows,
+            budget,
+            _integral_mask(problem, auxiliary),
+            lambda: _relaxation(highs, options),
+            began + time_limit_s,
+            options.integrality_tolerance,
+        )
     )
     logger.info("%s: %s (%.2f s)", search.__name__, found or "no plan", time.perf_counter() - began)
     return found

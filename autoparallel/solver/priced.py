@@ -59,57 +59,34 @@ class PricedPlan:
         return f"a plan of {self.objective:.1f} us, {100 * gap:.2f}% above its bound"
 
 
-def priced_plan(
-    highs: highspy.Highs,
-    rows: Sequence[Row],
-    budget_indices: Sequence[int],
-    integral: np.ndarray,
-    solve_relaxation: Callable[[], str],
-    deadline: float,
-    tolerance: float = 1e-6,
-) -> PricedPlan | None:
+def priced_plan(search: PriceSearch) -> PricedPlan | None:
     """An integral plan that meets every budget row (its bound: -inf, the caller has the
-    relaxation's), or None.
-
-    ``highs`` holds the model whose rows are ``rows``, solved to its relaxation's optimum;
-    the budget rows (``budget_indices``) are priced at that optimum's duals, scaled.
-    ``integral`` flags the integer columns; ``solve_relaxation()`` re-solves the relaxation
-    of the model ``highs`` holds and returns its status. The model's costs and row bounds
-    are restored before returning."""
-    if not budget_indices:
-        return None
-    duals = np.asarray(highs.getSolution().row_dual)
-    price = _weighted_sum(rows, budget_indices, -duals[list(budget_indices)], highs.getNumCol())
+    relaxation's), or None. ``search.highs`` holds the model solved to its relaxation's
+    optimum; the budget rows are priced at that optimum's duals, scaled. The model's costs
+    and row bounds are restored before returning."""
+    rows, indices = search.rows, search.budget_indices
+    duals = np.asarray(search.highs.getSolution().row_dual)
+    price = _weighted_sum(rows, indices, -duals[indices], search.num_cols)
     if not np.any(price):
         return None  # no budget row binds at the relaxation's optimum
-    search = _Search(highs, rows, budget_indices, integral, solve_relaxation, deadline, tolerance)
     with search.without_budget_rows():
         found = search.cheapest_fit(price, 1.0)
     return None if found is None else PricedPlan(found, float(search.costs @ found), -np.inf)
 
 
-def priced_from_scratch(
-    highs: highspy.Highs,
-    rows: Sequence[Row],
-    budget_indices: Sequence[int],
-    integral: np.ndarray,
-    solve_relaxation: Callable[[], str],
-    deadline: float,
-    tolerance: float = 1e-6,
-) -> PricedPlan | None:
+def priced_from_scratch(search: PriceSearch) -> PricedPlan | None:
     """The priced search without the relaxation's duals, for a relaxation too slow to wait
     for: the budget rows leave the model and their mean enters the objective, at a price
     starting where it adds 1 % to the budget-free plan's time. Every priced LP also bounds
     the optimum from below (Lagrangian duality: ``c x + price (a x - budget)`` at the LP's
     optimum, the budget being every row's upper bound), so the plan comes with its gap.
     None when nothing fits (or the budget rows are not all upper bounds alike)."""
-    uppers = {rows[index].upper for index in budget_indices}
-    if not budget_indices or len(uppers) != 1 or not np.isfinite(next(iter(uppers))):
+    rows, indices = search.rows, search.budget_indices
+    uppers = {rows[index].upper for index in indices}
+    if len(uppers) != 1 or not np.isfinite(next(iter(uppers))):
         return None
     budget = next(iter(uppers))
-    mean = np.full(len(budget_indices), 1.0 / len(budget_indices))
-    price = _weighted_sum(rows, budget_indices, mean, highs.getNumCol())
-    search = _Search(highs, rows, budget_indices, integral, solve_relaxation, deadline, tolerance)
+    price = _weighted_sum(rows, indices, np.full(len(indices), 1.0 / len(indices)), search.num_cols)
     with search.without_budget_rows():
         fits, free = search.plan_at(price, 0.0)
         if free is None:
@@ -130,8 +107,14 @@ def priced_from_scratch(
     return PricedPlan(found, float(search.costs @ found), max(search.bounds, default=-np.inf))
 
 
-class _Search:
-    """Doubling then bisection of the price's scale over the LP without the budget rows."""
+class PriceSearch:
+    """Doubling then bisection of the price's scale over the LP without the budget rows.
+
+    ``highs`` holds the model whose rows are ``rows``; ``budget_indices`` (not empty) are
+    the rows to price; ``integral`` flags the integer columns; ``solve_relaxation()``
+    re-solves the relaxation of the model ``highs`` holds and returns its status; no LP
+    starts after ``deadline`` (``time.perf_counter()``). One search per call of
+    :func:`priced_plan` or :func:`priced_from_scratch`."""
 
     def __init__(
         self,
@@ -141,7 +124,7 @@ class _Search:
         integral: np.ndarray,
         solve_relaxation: Callable[[], str],
         deadline: float,
-        tolerance: float,
+        tolerance: float = 1e-6,
     ):
         self.highs, self.rows, self.budget_indices = highs, rows, list(budget_indices)
         self.integral, self.solve_relaxation = integral, solve_relaxation
