@@ -32,6 +32,7 @@ QUICK = CalibrationSettings(
     memory_probe_bytes=1 << 20,
     skinny_matmul_dim=8,
     optimizer_numel=1 << 14,
+    optimizer_large_numel=1 << 16,
     runtime_parameters=(2, 8),
 )
 

@@ -71,6 +71,35 @@ def test_the_optimizer_fit_recovers_its_parts():
         fit_optimizer_step({(4, 256): 1.0})
 
 
+def test_the_optimizer_fit_recovers_a_higher_rate_on_large_tensors():
+    """A host that pays 6 ns per element up to 1 Mi elements and 9 ns on 4 Mi-element
+    tensors: the fit gives both rates, and the priced step follows the size of the tensor
+    (the base rate below, the large rate above, in between in log size)."""
+    rate = {256: 6.0, 1 << 20: 6.0, 1 << 22: 9.0}
+
+    def step_us(tensors, numel):
+        return 500.0 + 40.0 * tensors + rate[numel] * 1e-3 * tensors * numel
+
+    runs = {(t, n): step_us(t, n) for t, n in ((4, 256), (32, 256), (4, 1 << 20), (4, 1 << 22))}
+    fit = fit_optimizer_step(runs)
+    assert (fit.base_numel, fit.large_numel) == (1 << 20, 1 << 22)
+    assert fit.ns_per_element == pytest.approx(6.0)
+    assert fit.ns_per_element_large == pytest.approx(9.0, rel=1e-3)
+    host = dataclasses.replace(
+        CPU,
+        optimizer_us_per_tensor=40.0,
+        optimizer_ns_per_element=6.0,
+        optimizer_base_numel=float(1 << 20),
+        optimizer_large_numel=float(1 << 22),
+        optimizer_ns_per_element_large=9.0,
+    )
+    assert host.optimizer_us(1 << 10) == pytest.approx(40.0 + 6.0 * (1 << 10) / 1e3)
+    assert host.optimizer_us(1 << 23) == pytest.approx(40.0 + 9.0 * (1 << 23) / 1e3)
+    assert host.optimizer_ns_per_element_at(1 << 21) == pytest.approx(7.5)
+    with pytest.raises(ValueError, match="need the runs"):
+        fit_optimizer_step({**runs, (32, 1 << 22): 1.0})
+
+
 def test_the_op_model_fits_recover_a_known_host():
     """Timings made by the model itself on a known host (fixed cost 12 us per op, 3 GB/s for
     small ops) give back that fixed cost from the tiny block and that bandwidth from the

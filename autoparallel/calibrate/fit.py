@@ -96,29 +96,55 @@ def throughput(work: float, time_us: float) -> float:
 
 @dataclass(frozen=True)
 class OptimizerFit:
-    """One optimizer step = step_us + us_per_tensor per tensor + ns_per_element per element."""
+    """One optimizer step = step_us + us_per_tensor per tensor + a cost per element:
+    ns_per_element on tensors of base_numel elements, ns_per_element_large on tensors of
+    large_numel (0: measured at one size only; see ``Hardware.optimizer_ns_per_element_at``)."""
 
     step_us: float
     us_per_tensor: float
     ns_per_element: float
+    base_numel: int = 0
+    large_numel: int = 0
+    ns_per_element_large: float = 0.0
 
 
 def fit_optimizer_step(runs: dict[tuple[int, int], float]) -> OptimizerFit:
-    """Solve three timed steps, keyed (tensors, elements per tensor): two with the fewer
-    elements (few and many tensors) and one with few tensors of more elements. Each part is
-    clamped at 0 (a noisy measurement must not make a cost negative)."""
+    """Solve timed steps, keyed (tensors, elements per tensor): two with the fewest elements
+    (few and many tensors), and few tensors of one or two larger sizes. The smaller of those
+    sizes gives the base cost per element, the larger (if timed) the rate on large tensors.
+    Each part is clamped at 0 (a noisy measurement must not make a cost negative)."""
     by_numel = sorted({numel for _, numel in runs})
     by_count = sorted({count for count, _ in runs})
-    if len(runs) != 3 or len(by_numel) != 2 or len(by_count) != 2:
+    if len(by_count) != 2 or len(by_numel) not in (2, 3):
         raise ValueError(
-            f"need (few, small), (many, small) and (few, large) runs, got {sorted(runs)}"
+            "need (few, small), (many, small) and (few, large) runs, and optionally "
+            f"(few, larger), got {sorted(runs)}"
         )
-    (few, many), (small, large) = by_count, by_numel
-    per_element_us = max(0.0, (runs[few, large] - runs[few, small]) / (few * (large - small)))
-    per_tensor = (runs[many, small] - runs[few, small]) / (many - few) - small * per_element_us
+    (few, many), small = by_count, by_numel[0]
+    expected = {(few, small), (many, small)} | {(few, numel) for numel in by_numel[1:]}
+    if set(runs) != expected:
+        raise ValueError(f"need the runs {sorted(expected)}, got {sorted(runs)}")
+
+    def per_element_us(numel: int) -> float:
+        return max(0.0, (runs[few, numel] - runs[few, small]) / (few * (numel - small)))
+
+    base = by_numel[1]
+    per_tensor = (runs[many, small] - runs[few, small]) / (many - few) - small * per_element_us(
+        base
+    )
     per_tensor = max(0.0, per_tensor)
-    fixed = max(0.0, runs[few, small] - few * per_tensor - few * small * per_element_us)
-    return OptimizerFit(fixed, per_tensor, 1e3 * per_element_us)
+    fixed = max(0.0, runs[few, small] - few * per_tensor - few * small * per_element_us(base))
+    if len(by_numel) == 2:
+        return OptimizerFit(fixed, per_tensor, 1e3 * per_element_us(base))
+    large = by_numel[2]
+    return OptimizerFit(
+        fixed,
+        per_tensor,
+        1e3 * per_element_us(base),
+        base_numel=base,
+        large_numel=large,
+        ns_per_element_large=1e3 * per_element_us(large),
+    )
 
 
 @dataclass(frozen=True)

@@ -56,9 +56,12 @@ class CalibrationSettings:
         memory_probe_bytes: buffer size of the memory-bandwidth probe.
         skinny_matmul_dim: M of the skinny matmul (M x size x size, size the largest
             matmul size) that measures how fast matmuls slow down at small dimensions.
-        optimizer_tensors / optimizer_numel: the optimizer step is timed on (few, 256),
-            (many, 256) and (few, optimizer_numel) tensors x elements, and solved for a
-            fixed cost per step, a cost per tensor and a cost per element.
+        optimizer_tensors / optimizer_numel / optimizer_large_numel: the optimizer step is
+            timed on (few, 256), (many, 256), (few, optimizer_numel) and (few,
+            optimizer_large_numel) tensors x elements, and solved for a fixed cost per step,
+            a cost per tensor and a cost per element on tensors of each of the two sizes
+            (large tensors cost more per element on a CPU host: their working set leaves
+            the caches and the step's temporaries land on fresh pages; 0 skips that run).
         runtime_parameters: the parameter counts of the probe model whose parallel step
             measures the runtime's own work outside its graphs (CPU hosts only).
         name: the profile's hardware name (default: ``<device>-<backend>-<host>``).
@@ -74,6 +77,7 @@ class CalibrationSettings:
     skinny_matmul_dim: int = 32
     optimizer_tensors: tuple[int, int] = (4, 32)
     optimizer_numel: int = 1 << 20
+    optimizer_large_numel: int = 1 << 22
     runtime_parameters: tuple[int, ...] = (4, 16, 64)
     name: str | None = None
 
@@ -354,11 +358,15 @@ def _rounds(times: list[float]) -> str:
 def _time_optimizer(
     mesh: Any, settings: CalibrationSettings, say: Callable[[str], None], samples: list
 ) -> dict[str, float]:
-    """AdamW's step at three points, solved for its fixed, per-tensor and per-element parts."""
+    """AdamW's step at three or four points, solved for its fixed, per-tensor and
+    per-element parts (the last on tensors of two sizes)."""
     few, many = settings.optimizer_tensors
-    small, large = 256, settings.optimizer_numel
+    small = 256
+    points = [(few, small), (many, small), (few, settings.optimizer_numel)]
+    if settings.optimizer_large_numel > settings.optimizer_numel:
+        points.append((few, settings.optimizer_large_numel))
     runs = {}
-    for tensors, numel in ((few, small), (many, small), (few, large)):
+    for tensors, numel in points:
         runs[tensors, numel] = measure.optimizer_step_us(mesh, tensors, numel, settings.repeats)
         samples.append(
             {
@@ -372,14 +380,22 @@ def _time_optimizer(
             f"[calibrate] AdamW step, {tensors} tensors of {numel} elements: {runs[tensors, numel]:.0f} us"
         )
     fit = fit_optimizer_step(runs)
+    large = (
+        f" ({fit.ns_per_element_large:.3f} ns on tensors of {fit.large_numel} elements)"
+        if fit.large_numel
+        else ""
+    )
     say(
         f"[calibrate] optimizer step: {fit.step_us:.0f} us per step + {fit.us_per_tensor:.1f} us "
-        f"per tensor + {fit.ns_per_element:.3f} ns per element"
+        f"per tensor + {fit.ns_per_element:.3f} ns per element{large}"
     )
     return {
         "optimizer_step_us": fit.step_us,
         "optimizer_us_per_tensor": fit.us_per_tensor,
         "optimizer_ns_per_element": fit.ns_per_element,
+        "optimizer_base_numel": float(fit.base_numel),
+        "optimizer_large_numel": float(fit.large_numel),
+        "optimizer_ns_per_element_large": fit.ns_per_element_large,
     }
 
 
@@ -462,6 +478,9 @@ def _hardware(
         optimizer_step_us=figures["optimizer_step_us"],
         optimizer_us_per_tensor=figures["optimizer_us_per_tensor"],
         optimizer_ns_per_element=figures["optimizer_ns_per_element"],
+        optimizer_base_numel=figures["optimizer_base_numel"],
+        optimizer_large_numel=figures["optimizer_large_numel"],
+        optimizer_ns_per_element_large=figures["optimizer_ns_per_element_large"],
         overlap_fraction=figures["overlap_fraction"],
         memory_bytes=memory,
         supports_fp8=fp8,

@@ -8,6 +8,7 @@ latency and bandwidth per collective and link class.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -99,10 +100,17 @@ class Hardware:
     matmul_half_dim: float = 0.0
     # the optimizer step (measured: AdamW with foreach kernels on the runtime's DTensor
     # parameters): a fixed cost per step, per parameter tensor, and per local element.
-    # All 0 (the presets): the step is not priced.
+    # All 0 (the presets): the step is not priced. A CPU host pays more per element on large
+    # tensors (their working set leaves the caches and the step's temporaries land on fresh
+    # pages): optimizer_ns_per_element_large is the rate at optimizer_large_numel elements
+    # and above, interpolated in log size down to the base rate at optimizer_base_numel;
+    # optimizer_large_numel 0: one rate for every size.
     optimizer_step_us: float = 0.0
     optimizer_us_per_tensor: float = 0.0
     optimizer_ns_per_element: float = 0.0
+    optimizer_base_numel: float = 0.0
+    optimizer_large_numel: float = 0.0
+    optimizer_ns_per_element_large: float = 0.0
     # the parallel module's own work per training step outside its traced graphs, on a
     # synchronous host (measured by calibrate on CPU; 0 on a GPU, where the host runs ahead
     # of the kernels, and in the presets): a fixed part (entering and leaving the forward
@@ -120,7 +128,22 @@ class Hardware:
         """The optimizer step's time for one parameter tensor of ``local_numel`` elements."""
         if not (self.optimizer_us_per_tensor or self.optimizer_ns_per_element):
             return 0.0
-        return self.optimizer_us_per_tensor + local_numel * self.optimizer_ns_per_element / 1e3
+        return (
+            self.optimizer_us_per_tensor
+            + local_numel * self.optimizer_ns_per_element_at(local_numel) / 1e3
+        )
+
+    def optimizer_ns_per_element_at(self, local_numel: int) -> float:
+        """The optimizer's cost per element on a tensor of ``local_numel`` elements."""
+        base, large = self.optimizer_base_numel, self.optimizer_large_numel
+        if not large or local_numel <= base or large <= base:
+            return self.optimizer_ns_per_element
+        if local_numel >= large:
+            return self.optimizer_ns_per_element_large
+        weight = math.log(local_numel / max(base, 1.0)) / math.log(large / max(base, 1.0))
+        return self.optimizer_ns_per_element + weight * (
+            self.optimizer_ns_per_element_large - self.optimizer_ns_per_element
+        )
 
     def runtime_us(self, parameters: int) -> float:
         """The runtime's own work in one step of a model training ``parameters`` tensors."""
