@@ -128,22 +128,17 @@ def fit_optimizer_step(runs: dict[tuple[int, int], float]) -> OptimizerFit:
     def per_element_us(numel: int) -> float:
         return max(0.0, (runs[few, numel] - runs[few, small]) / (few * (numel - small)))
 
-    base = by_numel[1]
-    per_tensor = (runs[many, small] - runs[few, small]) / (many - few) - small * per_element_us(
-        base
-    )
-    per_tensor = max(0.0, per_tensor)
-    fixed = max(0.0, runs[few, small] - few * per_tensor - few * small * per_element_us(base))
-    if len(by_numel) == 2:
-        return OptimizerFit(fixed, per_tensor, 1e3 * per_element_us(base))
-    large = by_numel[2]
+    base_us = per_element_us(by_numel[1])
+    per_tensor = max(0.0, (runs[many, small] - runs[few, small]) / (many - few) - small * base_us)
+    fixed = max(0.0, runs[few, small] - few * per_tensor - few * small * base_us)
+    large = by_numel[2] if len(by_numel) == 3 else 0
     return OptimizerFit(
         fixed,
         per_tensor,
-        1e3 * per_element_us(base),
-        base_numel=base,
+        1e3 * base_us,
+        base_numel=by_numel[1] if large else 0,
         large_numel=large,
-        ns_per_element_large=1e3 * per_element_us(large),
+        ns_per_element_large=1e3 * per_element_us(large) if large else 0.0,
     )
 
 
