@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from planning import TINY_PLAN_ARGS, Replicate, Shard
 from torch.distributed.tensor import Partial
 
 from autoparallel import AutoParallel
+from autoparallel.calibrate import measure
 from autoparallel.calibrate.fit import CollectiveSample, fit_collective
 from autoparallel.calibrate.run import CalibrationSettings, _calibrate_rank
 from autoparallel.cli import main
@@ -113,6 +115,39 @@ def test_a_bad_profile_says_what_is_wrong(tmp_path, change, needle):
     path.write_text(json.dumps(data))
     with pytest.raises(ProfileError, match=needle):
         load_profile(path)
+
+
+def _time_after_a_slow_gap(rank: int, world_size: int) -> tuple[float, int, int]:
+    """A 2-rank all-reduce timed after a 20 ms gap on rank 1 only: (figure, gaps, calls)."""
+    import torch.distributed as dist
+
+    counts = {"gap": 0, "work": 0}
+    buffer = torch.ones(4)
+
+    def gap() -> None:
+        counts["gap"] += 1
+        if rank == 1:
+            time.sleep(0.02)
+
+    def work() -> None:
+        counts["work"] += 1
+        dist.all_reduce(buffer)
+
+    figure = measure._mean_after_gap_us(work, gap, 2, torch.device("cpu"))
+    return figure, counts["gap"], counts["work"]
+
+
+def test_a_collective_is_timed_after_compute_with_the_wait_for_the_last_rank(ranks):
+    """Each timed call follows the gap on every rank, the gap itself off the clock; rank 0,
+    which arrives 20 ms early, waits for rank 1 on the clock, and the figure is the mean of
+    the two ranks' (every rank gets the same figure)."""
+    (figure_0, gaps_0, calls_0), (figure_1, gaps_1, calls_1) = ranks(2).run(
+        _time_after_a_slow_gap, timeout_s=120
+    )
+    assert figure_0 == figure_1
+    assert gaps_0 == calls_0 - 1 and gaps_1 == calls_1 - 1  # all but the warm-up call
+    # rank 0's wait (~20 ms) counts half; the sleep itself is not on rank 1's clock
+    assert 5_000 < figure_0 < 20_000
 
 
 def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_path):

@@ -3,13 +3,15 @@
 Collectives are timed per mesh dim as the runtime issues them: torch's functional
 collectives (out of place, then waited on; ``_torch_internals``) for all-gather,
 reduce-scatter and all-reduce, and DTensor's own shard-to-shard move for the all-to-all (on a CPU
-mesh DTensor runs it as an all-gather and a chunk copy, and that is what the runtime pays). Device figures are timed on every rank
-at once, as training runs them (ranks share the host's cores and memory on a CPU cluster), and
-the slowest rank's time counts, as the slowest rank sets a step's time.
+mesh DTensor runs it as an all-gather and a chunk copy, and that is what the runtime pays),
+each call after a stretch of compute as a step issues it (``STEP_GAP_US``), and the mean over
+ranks counts. Device figures are timed on every rank at once, as training runs them (ranks
+share the host's cores and memory on a CPU cluster), and the slowest rank's time counts, as
+the slowest rank sets a step's time.
 
 Each figure comes from at least ``repeats`` timed calls after one untimed warm-up call (short
 calls are repeated more, within a budget; see ``_median_us``); ranks start each measurement
-together (a barrier) and report the largest figure of any rank.
+together (a barrier).
 """
 
 from __future__ import annotations
@@ -46,14 +48,7 @@ def _median_us(work: Callable[[], object], repeats: int, device: torch.device) -
     median of the batches' mean counts. A batch's mean is what a training step sees of a
     noisy call (gloo on a busy host is bimodal: most calls fast, some a scheduler tick
     slower); the median over batches drops a batch that a stray process disturbed."""
-    start = time.perf_counter()
-    work()  # warm-up: first-call allocations, lazy initialization
-    _synchronize(device)
-    # every rank must make the same number of calls (collectives pair them up): the count
-    # follows the slowest rank's warm-up
-    first_us = slowest_rank((time.perf_counter() - start) * 1e6, device)
-    per_batch = int(min(_MOST_CALLS, max(repeats, _BUDGET_US // max(first_us, 1.0)))) // _BATCHES
-    per_batch = max(1, per_batch)
+    per_batch = _calls_per_batch(work, repeats, device)
     means = []
     for _ in range(_BATCHES):
         start = time.perf_counter()
@@ -62,6 +57,75 @@ def _median_us(work: Callable[[], object], repeats: int, device: torch.device) -
         _synchronize(device)
         means.append((time.perf_counter() - start) * 1e6 / per_batch)
     return statistics.median(means)
+
+
+def _calls_per_batch(work: Callable[[], object], repeats: int, device: torch.device) -> int:
+    """Make the untimed warm-up call (first-call allocations, lazy initialization) and size
+    the batches by it: every rank must make the same number of calls (collectives pair them
+    up), so the count follows the slowest rank's warm-up."""
+    start = time.perf_counter()
+    work()
+    _synchronize(device)
+    first_us = slowest_rank((time.perf_counter() - start) * 1e6, device)
+    calls = int(min(_MOST_CALLS, max(repeats, _BUDGET_US // max(first_us, 1.0))))
+    return max(1, calls // _BATCHES)
+
+
+STEP_GAP_US = 1000.0
+"""Compute every rank runs before each timed collective call (about this long): a step issues
+its collectives between ops, not back to back. Ranks then arrive a little apart (each rank's
+compute jitters) and a rank that waited may have let its core go idle, which costs a wake-up
+when the data lands; a training step pays both at each collective it waits on, and a loop of
+back-to-back calls (ranks in lockstep, never idle) hides both. On a KVM guest with gloo this
+doubles a small collective's time (64 KiB all-gather on 2 ranks: 0.66 ms back to back, 1.1 ms
+after 0.8 ms of matmuls, the same as measured inside a training step)."""
+
+
+def _gap(device: torch.device, gap_us: float) -> Callable[[], None]:
+    """Matmuls of about ``gap_us`` on ``device`` (the same count on every rank)."""
+    a = torch.randn(256, 256, device=device)
+    start = time.perf_counter()
+    for _ in range(4):
+        torch.mm(a, a)
+    _synchronize(device)
+    one_us = slowest_rank((time.perf_counter() - start) * 1e6 / 4, device)
+    count = max(1, round(gap_us / max(one_us, 1e-3)))
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    return compute
+
+
+def _mean_after_gap_us(
+    work: Callable[[], object], gap: Callable[[], None], repeats: int, device: torch.device
+) -> float:
+    """The time of one call of ``work`` issued after ``gap`` on every rank, the gap off the
+    clock: the calls' mean within each of ``_BATCHES`` batches, and the median over batches
+    (as ``_median_us``), averaged over the ranks (each rank's wait for the last one to arrive
+    is what the step pays beyond its own compute; averaged over ranks it is the step's
+    expected share, where the slowest rank's would count one rank's bad luck)."""
+    per_batch = _calls_per_batch(work, repeats, device)
+    means = []
+    for _ in range(_BATCHES):
+        total = 0.0
+        for _ in range(per_batch):
+            gap()
+            _synchronize(device)
+            start = time.perf_counter()
+            work()
+            _synchronize(device)
+            total += time.perf_counter() - start
+        means.append(total * 1e6 / per_batch)
+    return mean_over_ranks(statistics.median(means), device)
+
+
+def mean_over_ranks(value_us: float, device: torch.device) -> float:
+    """The mean of every rank's ``value_us`` (a collective over the whole world)."""
+    tensor = torch.tensor([value_us], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return float(tensor.item()) / dist.get_world_size()
 
 
 def slowest_rank(value_us: float, device: torch.device) -> float:
@@ -74,7 +138,8 @@ def slowest_rank(value_us: float, device: torch.device) -> float:
 def time_collective(
     collective: str, nbytes: int, mesh: DeviceMesh, mesh_dim: int, repeats: int
 ) -> CollectiveSample:
-    """Median time of one ``collective`` along ``mesh_dim`` on a buffer of ``nbytes``.
+    """Time of one ``collective`` along ``mesh_dim`` on a buffer of ``nbytes`` as a step
+    pays it: issued after ``STEP_GAP_US`` of compute on every rank (``_mean_after_gap_us``).
 
     ``nbytes`` is the full buffer in the cost model's convention: the gathered output of an
     all-gather, the unscattered input of a reduce-scatter, the buffer of an all-reduce, each
@@ -93,11 +158,10 @@ def time_collective(
         "all_reduce": lambda: internals.all_reduce_sum(full, mesh, mesh_dim),
         "all_to_all": lambda: internals.shard_to_shard(block, mesh, mesh_dim),
     }
+    gap = _gap(device, STEP_GAP_US)
     dist.barrier()
-    median = _median_us(calls[collective], repeats, device)
-    return CollectiveSample(
-        collective, ranks, float(numel * _ELEMENT.itemsize), slowest_rank(median, device)
-    )
+    time_us = _mean_after_gap_us(calls[collective], gap, repeats, device)
+    return CollectiveSample(collective, ranks, float(numel * _ELEMENT.itemsize), time_us)
 
 
 @dataclass(frozen=True)
