@@ -71,6 +71,8 @@ __all__ = [
     "all_gather_rows",
     "all_reduce_sum",
     "reduce_scatter_sum",
+    "FUNCTIONAL_ALL_REDUCE",
+    "FUNCTIONAL_ALL_REDUCE_IN_PLACE",
 ]
 
 
@@ -80,6 +82,13 @@ __all__ = [
 # ---------------------------------------------------------------------------- collectives
 # torch's functional collectives (what DTensor itself emits) live in a private module; the
 # runtime's coalesced gradient reductions call them directly (runtime/coalesce.py).
+
+
+FUNCTIONAL_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+FUNCTIONAL_ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
+"""The functional all-reduce as DTensor traces it (it copies its input, then reduces the
+copy) and its in-place twin (reduces the input itself), for runtime/local_graph.py's
+``reduce_in_place``: the ops are registered by torch but have no public handle."""
 
 
 def all_reduce_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:

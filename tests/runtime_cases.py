@@ -208,6 +208,12 @@ def _train(
     result["params"] = full_params(parallel)
     if not compiled:
         result["compute_behind_first_reduction"] = _compute_behind_first_reduction(parallel)
+        backward = parallel._autoparallel.backward_phase.graph_module.graph
+        result["reduced_in_place"] = len(
+            backward.find_nodes(
+                op="call_function", target=torch.ops._c10d_functional.all_reduce_.default
+            )
+        )
     if compiled:
         local = _local_rows(global_batches(model_name)[0], mesh)
         with torch.no_grad():
@@ -587,6 +593,7 @@ def check_parallel_training(
         assert rank0["all_reduces"] >= 1  # gradients are summed across ranks
         if kind == "ddp-pinned":  # the first bucket's all-reduce runs behind the backward
             assert rank0["compute_behind_first_reduction"] > 0
+            assert rank0["reduced_in_place"] >= 1  # a bucket is reduced without a copy
     elif kind == "gathered-heads":
         assert rank0["heads_gathered"]
     elif kind == "fsdp":

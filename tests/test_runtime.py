@@ -160,6 +160,33 @@ def test_a_collective_starts_when_its_inputs_are_ready_and_is_waited_for_last():
     assert order.index(waited) == order.index(total) - 1
 
 
+def test_an_all_reduce_of_a_private_temporary_reduces_it_in_place():
+    """reduce_in_place on a hand-built graph: the all-reduce of a bucket (a view of a cat
+    only it reads) becomes the in-place all-reduce; one of a graph input, and one of a
+    matmul result that another op also reads, keep their copy."""
+    import torch
+    import torch.fx as fx
+
+    from autoparallel.runtime.local_graph import reduce_in_place
+
+    all_reduce = torch.ops._c10d_functional.all_reduce.default
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    bucket = graph.call_function(torch.ops.aten.cat.default, ([x, y],))
+    flat = graph.call_function(torch.ops.aten.view.default, (bucket, [-1]))
+    private = graph.call_function(all_reduce, (flat, "sum", "0"))
+    of_input = graph.call_function(all_reduce, (x, "sum", "0"))
+    product = graph.call_function(torch.ops.aten.mm.default, (x, y))
+    shared = graph.call_function(all_reduce, (product, "sum", "0"))
+    waits = [graph.call_function(wait, (n,)) for n in (private, of_input, shared)]
+    graph.output([*waits, product])
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    assert reduce_in_place(module) == 1
+    assert private.target == torch.ops._c10d_functional.all_reduce_.default
+    assert of_input.target == shared.target == all_reduce
+
+
 def test_the_next_layers_parameter_gather_starts_before_this_layers_compute():
     """Gathers of graph inputs (parameters) move one ahead, FSDP's prefetch: layer 2's
     all-gather starts where layer 1's was, before layer 1's matmul; the first stays."""

@@ -10,6 +10,10 @@ Wrapping local tensors as DTensors (the phase's inputs, the saved values) leaves
 each input to its own shape in the trace; :func:`drop_identity_views` removes them, since on
 a CPU every op of the local graph costs its Python dispatch.
 
+DTensor's all-reduce is torch's functional one, which copies its input before reducing it;
+where that input is a temporary no other op reads (a gradient bucket's flat buffer, a
+matmul's partial sums), :func:`reduce_in_place` reduces the temporary itself instead.
+
 Tracing runs the phase once (with its collectives) on real data; every rank reaches the
 first call together, as in any SPMD program, so the collectives match.
 
@@ -29,6 +33,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
+from autoparallel import _torch_internals as internals
 from autoparallel.regions.context import RegionScope, region_scope
 from autoparallel.runtime.shards import wrap_shard
 
@@ -117,6 +122,7 @@ class TracedPhase:
         with torch.no_grad():
             graph_module = make_fx(self.function)(*tensors)
         drop_identity_views(graph_module)
+        reduce_in_place(graph_module)
         issue_collectives_early(graph_module, self.parameter_positions())
         self.graph_module = graph_module
 
@@ -154,6 +160,48 @@ def _same_layout(source: fx.Node, view: fx.Node) -> bool:
     if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
         return False
     return before.shape == after.shape and before.stride() == after.stride()
+
+
+def reduce_in_place(graph_module: fx.GraphModule) -> int:
+    """Turn each all-reduce of a temporary into the in-place all-reduce of that temporary;
+    returns how many changed.
+
+    torch's functional all-reduce copies its input and reduces the copy, so the input stays
+    as it was for any other reader. When the input is a fresh result (an op's output, or a
+    view of one) that only the all-reduce reads, nothing else can see it change, and the
+    copy is pure cost: for a DDP plan's gradient buckets it is a pass over every gradient
+    on memory the allocator has just handed out (62 ms of a 330 ms step of the 21 M LLaMA
+    on 2 gloo ranks). The reduced values and every other op are unchanged.
+    """
+    changed = 0
+    for node in graph_module.graph.find_nodes(
+        op="call_function", target=internals.FUNCTIONAL_ALL_REDUCE
+    ):
+        if _is_private_temporary(node.args[0], node):
+            node.target = internals.FUNCTIONAL_ALL_REDUCE_IN_PLACE
+            changed += 1
+    if changed:
+        graph_module.recompile()
+    return changed
+
+
+def _is_private_temporary(value: object, reader: fx.Node) -> bool:
+    """``value`` is read by ``reader`` alone and is an op's fresh output, or a chain of views
+    (each read by the next alone) of one."""
+    while isinstance(value, fx.Node) and value.op == "call_function":
+        if set(value.users) != {reader}:
+            return False
+        if not _returns_a_view(value):
+            return True
+        reader, value = value, value.args[0]
+    return False
+
+
+def _returns_a_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or len(schema.returns) != 1:
+        return True  # not an ATen op with one result: treat as aliasing, never reduce it
+    return schema.returns[0].alias_info is not None
 
 
 _WAIT = "_c10d_functional.wait_tensor"
