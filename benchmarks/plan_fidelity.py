@@ -19,6 +19,10 @@ of them, and takes each one's median step of the slowest rank
   (predicted - measured) / measured;
 * ``spearman``: rank correlation of our recipes ordered by prediction and by measurement
   (1.0: the planner orders them as the machine does);
+* ``phases_ms``: per phase (forward with the loss, backward, optimizer step), the plan's
+  predicted ms (``workloads.predicted_phase_ms``) and rank 0's median measured ms, so an
+  error can be traced to the phase it comes from; the table prints them as
+  ``predicted/measured`` under each variant;
 * ``free/best``: the free plan's measured time over the fastest pinned recipe's (<= 1.05
   means the planner's choice is as good as the best hand recipe on our runtime).
 
@@ -47,6 +51,7 @@ if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workloads import (
+    PHASES,
     RECIPES,
     WORKLOADS,
     build_torch_ddp,
@@ -54,6 +59,7 @@ from workloads import (
     local_rows,
     make_optimizer,
     plan_ours,
+    predicted_phase_ms,
     training_step,
 )
 
@@ -71,6 +77,7 @@ class _Variant:
     plan: Any
     losses: list[float]
     info: dict
+    phase_ms: dict[str, list[float]]
 
 
 RECOMPUTE_EVERY_LAYER = {"memory_budget": 1e15, "activation_checkpointing": "all"}
@@ -108,9 +115,10 @@ def _build_variant(
     inputs = local_rows(inputs, rank, world_size)
     targets = local_rows(targets, rank, world_size)
     losses: list[float] = []
+    phase_ms: dict[str, list[float]] = {}
     scale = 1.0 / world_size if plan is not None else 1.0
-    step = training_step(model, make_optimizer(model), inputs, targets, scale, losses)
-    return _Variant(step, plan, losses, info)
+    step = training_step(model, make_optimizer(model), inputs, targets, scale, losses, phase_ms)
+    return _Variant(step, plan, losses, info, phase_ms)
 
 
 def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) -> dict:
@@ -138,6 +146,9 @@ def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) ->
         for variant, run in built.items():
             timing = measure_step(run.step, run.plan, steps=args["steps"], warmup=warmup)
             times[variant] += timing.step_ms
+            if warmup:  # the phases of the timed steps only
+                for phase_times in run.phase_ms.values():
+                    del phase_times[:warmup]
     for variant, run in built.items():
         predicted = run.plan.totals.total_us / 1e3 if run.plan is not None else None
         results[variant] = {
@@ -146,11 +157,25 @@ def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) ->
             "predicted_ms": round(predicted, 3) if predicted is not None else None,
             "priced_on": run.plan.priced_on if run.plan is not None else None,
             "loss_last": run.losses[-1],
+            "phases_ms": _phases(run),
             **run.info,
         }
     del built
     gc.collect()
     return {variant: results[variant] for variant in args["variants"]}
+
+
+def _phases(run: _Variant) -> dict[str, dict[str, float | None]]:
+    """Per phase, this rank's median measured ms and the plan's predicted ms (None for
+    torch's own variants)."""
+    predicted = predicted_phase_ms(run.plan) if run.plan is not None else {}
+    return {
+        phase: {
+            "predicted": round(predicted[phase], 3) if predicted else None,
+            "measured": round(statistics.median(run.phase_ms[phase]), 3),
+        }
+        for phase in PHASES
+    }
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
@@ -216,7 +241,19 @@ def print_table(model: str, nproc: int, results: dict, summary: dict) -> None:
             f"{' '.join(r.get('placements', []))}",
             file=sys.stderr,
         )
+        phases = r.get("phases_ms", {})
+        print(
+            f"{'':<12} "
+            + ", ".join(
+                f"{phase} {_ms(p['predicted'])}/{_ms(p['measured'])}" for phase, p in phases.items()
+            ),
+            file=sys.stderr,
+        )
     print("  " + ", ".join(f"{k} {v}" for k, v in summary.items()), file=sys.stderr)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -216,6 +216,23 @@ PHASES = ("forward", "backward", "optimizer")
 """The parts of a step :func:`training_step` times: forward + loss, backward, optimizer step."""
 
 
+def predicted_phase_ms(plan: Plan) -> dict[str, float]:
+    """The plan's predicted step split as :data:`PHASES` (ms): the forward's nodes (compute
+    and communication), the optimizer step, and the backward as the rest of the total (its
+    nodes, the gradient reductions and their buckets, less the communication hidden), the
+    runtime's own work outside its graphs included there."""
+    forward_us = sum(
+        node.compute_us + node.comm_us for node in plan.nodes.values() if node.phase == "forward"
+    )
+    optimizer_us = plan.totals.optimizer_us
+    backward_us = plan.totals.total_us - forward_us - optimizer_us
+    return {
+        "forward": forward_us / 1e3,
+        "backward": backward_us / 1e3,
+        "optimizer": optimizer_us / 1e3,
+    }
+
+
 def training_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

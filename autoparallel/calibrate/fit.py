@@ -169,6 +169,13 @@ def fit_runtime_overhead(outside_us: dict[int, float]) -> RuntimeFit:
 # ------------------------------------------------------------------ the op model of a host
 
 
+def matmul_half_dim(peak_flops: float, skinny_flops: float, small: int) -> float:
+    """``Hardware.matmul_half_dim``: the dimension ``h`` at which a matmul runs at half the
+    peak, from a matmul with one dimension ``small`` running at ``skinny_flops`` under the
+    model's rate = peak * d / (d + h); 0 when it ran at the peak or faster."""
+    return max(0.0, small * (peak_flops / skinny_flops - 1.0))
+
+
 def block_charge_us(graph: fx.GraphModule, hardware: Hardware) -> tuple[float, int]:
     """What the cost model charges every op of a traced graph on ``hardware``, and how many
     of its ops are not views (the ops that pay ``kernel_launch_us``)."""

@@ -1,9 +1,11 @@
 """Run a calibration: on a launched process group (torchrun) or on N spawned local gloo ranks.
 
-Order of work, on every rank together: per mesh dim and collective, each message size from
-``min_bytes`` to ``max_bytes`` (x4 apart); then the device (matmul per dtype and size, how a
-skinny matmul slows down, memory bandwidth, the cost of an op and of a view op as the
-runtime runs them, and AdamW's step on DTensor parameters). Rank 0 prints one progress line per measurement and the fits with
+Order of work, on every rank together: the device (matmul per dtype and size, memory
+bandwidth, a view op as the runtime runs it, AdamW's step on DTensor parameters) and the
+first round of the figures timed in rounds (``_Rounds``: the largest fp32 matmul and a skinny
+one, two traced transformer blocks for the cost of an op); per mesh dim and collective, each
+message size from ``min_bytes`` to ``max_bytes`` (x4 apart); how much of an all-reduce hides
+behind compute; the other rounds; last, on a CPU host, the runtime's own work. Rank 0 prints one progress line per measurement and the fits with
 their largest relative error. The result is one ``Hardware`` whose link figures are the
 all-reduce fits (the generic figures a preset would have) and whose ``collectives`` hold every
 fit; ``cost/profile.py`` writes it with the raw timings.
@@ -34,6 +36,7 @@ from autoparallel.calibrate.fit import (
     fit_op_overhead,
     fit_optimizer_step,
     fit_runtime_overhead,
+    matmul_half_dim,
 )
 from autoparallel.cost.hardware import COLLECTIVES, CPU, CollectiveFit, Hardware
 from autoparallel.cost.profile import write_profile
@@ -127,14 +130,14 @@ def calibrate_group(
     samples: list[dict[str, Any]] = []
     # The device first, then the collectives, then the op overhead's other rounds: its rounds
     # fall half a minute apart, not all in one fast or slow spell of a shared host.
-    blocks = _Blocks.trace(device)
+    rounds = _Rounds.trace(device, settings)
     device_figures = _time_device(device, mesh, settings, say, samples)
-    blocks.time_round(settings.repeats, device)
+    rounds.time_round(settings.repeats, device)
     fits = _fit_links(_time_collectives(mesh, topology, settings, say, samples), say)
     device_figures["overlap_fraction"] = _time_overlap(mesh, settings, say, samples, device)
     for _ in range(settings.rounds - 1):
-        blocks.time_round(settings.repeats, device)
-    device_figures.update(blocks.fit(device, device_figures, say, samples))
+        rounds.time_round(settings.repeats, device)
+    device_figures.update(rounds.fit(device, device_figures, say, samples))
     hardware = _hardware(settings, device, fits, device_figures, per_node)
     # last: the probe is planned and priced on the figures above, the op model included
     if hardware.synchronous_ops:
@@ -275,11 +278,6 @@ def _time_device(
                 f"[calibrate] matmul {str(dtype).removeprefix('torch.'):<8} {size:>5}^3: {flops / 1e9:10.2f} GFLOP/s"
             )
         figures[key] = flops  # the largest size: closest to what big matmuls reach
-    size, small = settings.matmul_sizes[-1], settings.skinny_matmul_dim
-    half = measure.matmul_half_dim(figures["flops_fp32"], size, small, settings.repeats, device)
-    samples.append({"what": "matmul_half_dim", "size": size, "small": small, "half_dim": half})
-    say(f"[calibrate] matmul {small} x {size} x {size}: half the peak at a dimension of {half:.0f}")
-    figures["matmul_half_dim"] = half
     bandwidth = measure.memory_bandwidth(settings.memory_probe_bytes, settings.repeats, device)
     samples.append(
         {"what": "memory_bandwidth", "nbytes": settings.memory_probe_bytes, "bandwidth": bandwidth}
@@ -296,27 +294,40 @@ def _time_device(
 
 
 @dataclass
-class _Blocks:
-    """The two traced transformer blocks that fit the op model of the host, and their times
-    per round. A shared host drifts between fast and slow spells for seconds at a time, so
-    the rounds are spread over the calibration (one with the device figures, the others
-    after the collectives) and their medians count."""
+class _Rounds:
+    """The figures timed in rounds spread over the calibration, whose medians count: the
+    largest fp32 matmul and the skinny one (the FLOP/s and ``matmul_half_dim``), and the two
+    traced transformer blocks that fit the op model of the host. A shared host drifts
+    between fast and slow spells for seconds at a time, so one round runs with the device
+    figures and the others after the collectives; a single timing of the matmul swung the
+    FLOP/s by 15 % between calibrations of this VM."""
 
+    matmul_shape: tuple[int, int, int]
+    skinny_shape: tuple[int, int, int]
     tiny: measure.TracedBlock
     training: measure.TracedBlock
+    matmul_us: list[float]
+    skinny_us: list[float]
     tiny_us: list[float]
     training_us: list[float]
 
     @classmethod
-    def trace(cls, device: torch.device) -> _Blocks:
+    def trace(cls, device: torch.device, settings: CalibrationSettings) -> _Rounds:
+        size, small = settings.matmul_sizes[-1], settings.skinny_matmul_dim
         return cls(
+            (size, size, size),
+            (small, size, size),
             measure.traced_block(measure.TINY_BLOCK, device),
             measure.traced_block(measure.TRAINING_BLOCK, device),
+            [],
+            [],
             [],
             [],
         )
 
     def time_round(self, repeats: int, device: torch.device) -> None:
+        self.matmul_us.append(measure.matmul_us(torch.float32, self.matmul_shape, repeats, device))
+        self.skinny_us.append(measure.matmul_us(torch.float32, self.skinny_shape, repeats, device))
         self.tiny_us.append(measure.time_block(self.tiny, repeats, device))
         self.training_us.append(measure.time_block(self.training, repeats, device))
 
@@ -327,9 +338,26 @@ class _Blocks:
         say: Callable[[str], None],
         samples: list,
     ) -> dict[str, float]:
-        """The fixed cost per op (the tiny block) and then the memory bandwidth small
-        training ops reach (the training-sized block, at that fixed cost)."""
-        roofline = dataclasses.replace(CPU, **_device_model(device, figures))
+        """The matmul figures, then the fixed cost per op (the tiny block, at those figures)
+        and the memory bandwidth small training ops reach (the training-sized block, at that
+        fixed cost)."""
+        flops = _flops(self.matmul_shape, statistics.median(self.matmul_us))
+        skinny = _flops(self.skinny_shape, statistics.median(self.skinny_us))
+        small = self.skinny_shape[0]
+        half = matmul_half_dim(flops, skinny, small)
+        for shape, times in (
+            (self.matmul_shape, self.matmul_us),
+            (self.skinny_shape, self.skinny_us),
+        ):
+            samples.append({"what": "matmul_rounds", "shape": list(shape), "rounds_us": times})
+        say(
+            f"[calibrate] matmul float32 {_shape_text(self.matmul_shape)} on cold caches: "
+            f"{flops / 1e9:.2f} GFLOP/s (rounds: {_rounds(self.matmul_us)} us); "
+            f"{_shape_text(self.skinny_shape)}: {skinny / 1e9:.2f} GFLOP/s, half the peak at a "
+            f"dimension of {half:.0f} (rounds: {_rounds(self.skinny_us)} us)"
+        )
+        measured = {**figures, "flops_fp32": flops, "matmul_half_dim": half}
+        roofline = dataclasses.replace(CPU, **_device_model(device, measured))
         tiny_us, training_us = statistics.median(self.tiny_us), statistics.median(self.training_us)
         overhead = fit_op_overhead(self.tiny.graph, tiny_us, roofline)
         with_overhead = dataclasses.replace(roofline, kernel_launch_us=overhead)
@@ -337,18 +365,28 @@ class _Blocks:
         for block, times in ((self.tiny, self.tiny_us), (self.training, self.training_us)):
             samples.append({"what": "block", "shape": list(block.shape), "rounds_us": times})
         say(
-            f"[calibrate] fixed cost per op (a traced transformer block {_shape(self.tiny)}): "
+            f"[calibrate] fixed cost per op (a traced transformer block {_shape_text(self.tiny.shape)}): "
             f"{overhead:.2f} us (block rounds: {_rounds(self.tiny_us)} us)"
         )
         say(
-            f"[calibrate] memory bandwidth of training ops (block {_shape(self.training)}): "
+            f"[calibrate] memory bandwidth of training ops (block {_shape_text(self.training.shape)}): "
             f"{bandwidth / 1e9:.2f} GB/s (block rounds: {_rounds(self.training_us)} us)"
         )
-        return {"kernel_launch_us": overhead, "memory_bandwidth": bandwidth}
+        return {
+            "flops_fp32": flops,
+            "matmul_half_dim": half,
+            "kernel_launch_us": overhead,
+            "memory_bandwidth": bandwidth,
+        }
 
 
-def _shape(block: measure.TracedBlock) -> str:
-    return " x ".join(str(d) for d in block.shape)
+def _flops(shape: tuple[int, int, int], time_us: float) -> float:
+    m, k, n = shape
+    return 2.0 * m * k * n / (time_us / 1e6)
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return " x ".join(str(d) for d in shape)
 
 
 def _rounds(times: list[float]) -> str:
