@@ -208,7 +208,7 @@ def _train(
     result["params"] = full_params(parallel)
     if not compiled:
         result["compute_behind_first_reduction"] = _compute_behind_first_reduction(parallel)
-        backward = parallel._autoparallel.backward_phase.graph_module.graph
+        backward = parallel._autoparallel.backward_phase.eager_module.graph
         result["reduced_in_place"] = len(
             backward.find_nodes(
                 op="call_function", target=torch.ops._c10d_functional.all_reduce_.default

@@ -24,6 +24,7 @@ Under ``torch.compile`` the phases are not traced here: AOTAutograd traces them 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +104,8 @@ class TracedPhase:
         self.function = function
         self.parameter_positions = parameter_positions
         self.regions = regions
-        self.graph_module: fx.GraphModule | None = None
+        self.graph_module: fx.GraphModule | None = None  # functional ops only
+        self.eager_module: fx.GraphModule | None = None  # the same, reduced in place
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         with region_scope(self.regions) if self.regions is not None else contextlib.nullcontext():
@@ -113,6 +115,10 @@ class TracedPhase:
                 return list(self.function(*tensors))
             if self.graph_module is None:
                 self._trace(*tensors)
+            if _all_plain(tensors):
+                return list(self.eager_module(*tensors))
+            # a tracer's tensors (torch.compile functionalizing a frame it captured): the
+            # graph with only functional ops, which it can functionalize
             return list(self.graph_module(*tensors))
 
     # Our own tracing must never be captured by torch.compile (a frame Dynamo skipped can
@@ -122,9 +128,24 @@ class TracedPhase:
         with torch.no_grad():
             graph_module = make_fx(self.function)(*tensors)
         drop_identity_views(graph_module)
-        reduce_in_place(graph_module)
         issue_collectives_early(graph_module, self.parameter_positions())
         self.graph_module = graph_module
+        self.eager_module = _copy(graph_module)
+        reduce_in_place(self.eager_module)
+
+
+def _all_plain(tensors: tuple) -> bool:
+    """Every tensor is a plain eager tensor (no subclass: not fake, not functional)."""
+    return all(
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _copy(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``graph_module`` whose graph a pass may change (nodes' meta shared)."""
+    return fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph))
 
 
 _ALIAS_OPS = (torch.ops.aten.view.default, torch.ops.aten.alias.default)
