@@ -190,9 +190,9 @@ def reduce_in_place(graph_module: fx.GraphModule) -> int:
     torch's functional all-reduce copies its input and reduces the copy, so the input stays
     as it was for any other reader. When the input is a fresh result (an op's output, or a
     view of one) that only the all-reduce reads, nothing else can see it change, and the
-    copy is pure cost: for a DDP plan's gradient buckets it is a pass over every gradient
-    on memory the allocator has just handed out (62 ms of a 330 ms step of the 21 M LLaMA
-    on 2 gloo ranks). The reduced values and every other op are unchanged.
+    copy is pure cost: for a DDP plan's gradient buckets, a pass over every gradient and a
+    second bucket in memory. The reduced values and every other op are unchanged. The
+    in-place op cannot be functionalized: run the result on eager tensors only.
     """
     changed = 0
     for node in graph_module.graph.find_nodes(
