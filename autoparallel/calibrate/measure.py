@@ -370,7 +370,9 @@ training the forward and backward run between two steps, and their activations p
 optimizer's state out of the caches and the allocator's free memory back to the system, so
 the step's temporaries land on fresh pages. Steps timed back to back keep both warm (AdamW
 per element on this VM: 3.3-4.1 ns back to back, 4.0-5.6 ns after a churn of 256-512 MiB;
-inside a training step of the 21 M LLaMA, 1.46x its back-to-back price)."""
+the 21 M LLaMA's free plan on 2 ranks, priced after the churn: 45.5 ms against 48.6 measured,
+``benchmarks/plan_fidelity.py``'s phase split). A small model's step, whose state stays in
+cache, is over-priced by the churn's fixed part (tiny LLaMA: 2.2 ms against 1.2)."""
 
 
 def _memory_churn(device: torch.device, nbytes: int) -> Callable[[], None]:

@@ -128,8 +128,8 @@ def calibrate_group(
     mesh = init_device_mesh(device_type, mesh_shape)
     topology = Topology(mesh_shape, CPU, per_node)
     samples: list[dict[str, Any]] = []
-    # The device first, then the collectives, then the op overhead's other rounds: its rounds
-    # fall half a minute apart, not all in one fast or slow spell of a shared host.
+    # The device first, then the collectives, then the other rounds of _Rounds: they fall
+    # half a minute apart, not all in one fast or slow spell of a shared host.
     rounds = _Rounds.trace(device, settings)
     device_figures = _time_device(device, mesh, settings, say, samples)
     rounds.time_round(settings.repeats, device)
@@ -277,7 +277,9 @@ def _time_device(
             say(
                 f"[calibrate] matmul {str(dtype).removeprefix('torch.'):<8} {size:>5}^3: {flops / 1e9:10.2f} GFLOP/s"
             )
-        figures[key] = flops  # the largest size: closest to what big matmuls reach
+        # the largest size: closest to what big matmuls reach (fp32: _Rounds.fit replaces
+        # it with the median of its rounds)
+        figures[key] = flops
     bandwidth = measure.memory_bandwidth(settings.memory_probe_bytes, settings.repeats, device)
     samples.append(
         {"what": "memory_bandwidth", "nbytes": settings.memory_probe_bytes, "bandwidth": bandwidth}
