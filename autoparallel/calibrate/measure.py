@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel import _torch_internals as internals
-from autoparallel.calibrate.fit import CollectiveSample
+from autoparallel.calibrate.fit import CollectiveSample, throughput
 from autoparallel.cost.hardware import Hardware
 
 _ELEMENT = torch.float32
@@ -85,8 +85,10 @@ its collectives between ops, not back to back. Ranks then arrive a little apart 
 compute jitters) and a rank that waited may have let its core go idle, which costs a wake-up
 when the data lands; a training step pays both at each collective it waits on, and a loop of
 back-to-back calls (ranks in lockstep, never idle) hides both. On a KVM guest with gloo this
-doubles a small collective's time (64 KiB all-gather on 2 ranks: 0.66 ms back to back, 1.1 ms
-after 0.8 ms of matmuls, the same as measured inside a training step)."""
+nearly doubles a small collective's time: the 64 KiB all-gather on 2 ranks took 0.76 ms back
+to back and 1.16 ms after the gap (``autoparallel calibrate --nproc 2``, before and after the
+gap), and with the gap the 2-rank fidelity cells within 20 % went from 3 of 12 to 8 of 12
+(``benchmarks/plan_fidelity.py``)."""
 
 
 def _gap(device: torch.device, gap_us: float) -> Callable[[], None]:
@@ -140,15 +142,17 @@ def _after_gap_us(
 
 def mean_over_ranks(value_us: float, device: torch.device) -> float:
     """The mean of every rank's ``value_us`` (a collective over the whole world)."""
-    tensor = torch.tensor([value_us], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return float(tensor.item()) / dist.get_world_size()
+    return _over_ranks(value_us, dist.ReduceOp.SUM, device) / dist.get_world_size()
 
 
 def slowest_rank(value_us: float, device: torch.device) -> float:
     """The largest of every rank's ``value_us`` (a collective over the whole world)."""
-    tensor = torch.tensor([value_us], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return _over_ranks(value_us, dist.ReduceOp.MAX, device)
+
+
+def _over_ranks(value: float, op: dist.ReduceOp, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
     return float(tensor.item())
 
 
@@ -230,9 +234,9 @@ def overlap(
 CACHE_FLUSH_BYTES = 64 << 20
 """Memory every rank writes before each timed matmul, off the clock: in a training step a
 matmul's operands were last touched several ops ago (a layer's weights a whole step ago),
-not by the same matmul a moment before, as in a loop. On this VM a (128 x 512) @ (512 x 768)
-runs at 180 GFLOP/s hot and 145 cold, which is what it reaches inside a training step of
-the 21 M LLaMA; a 1024^3 matmul loses 7 %."""
+not by the same matmul a moment before, as in a loop. Priced on the cold figures, the 21 M
+LLaMA's 87 matmuls of its free plan on 2 ranks come to 85.6 ms against 93.8 ms measured
+under the profiler (``benchmarks/op_breakdown.py``)."""
 
 
 def _cache_flush(device: torch.device) -> Callable[[], None]:
@@ -255,7 +259,7 @@ def matmul_us(
 
 def matmul_flops(dtype: torch.dtype, size: int, repeats: int, device: torch.device) -> float:
     """FLOP/s of a ``size``^3 matmul in ``dtype`` on cold caches (slowest rank)."""
-    return 2.0 * size**3 / (matmul_us(dtype, (size, size, size), repeats, device) / 1e6)
+    return throughput(2.0 * size**3, matmul_us(dtype, (size, size, size), repeats, device))
 
 
 def memory_bandwidth(nbytes: int, repeats: int, device: torch.device) -> float:
@@ -368,10 +372,11 @@ OPTIMIZER_CHURN_BYTES = 256 << 20
 """Memory every rank writes and frees before each timed optimizer step, off the clock: in
 training the forward and backward run between two steps, and their activations push the
 optimizer's state out of the caches and the allocator's free memory back to the system, so
-the step's temporaries land on fresh pages. Steps timed back to back keep both warm (AdamW
-per element on this VM: 3.3-4.1 ns back to back, 4.0-5.6 ns after a churn of 256-512 MiB;
-the 21 M LLaMA's free plan on 2 ranks, priced after the churn: 45.5 ms against 48.6 measured,
-``benchmarks/plan_fidelity.py``'s phase split). A small model's step, whose state stays in
+the step's temporaries land on fresh pages. Steps timed back to back keep both warm (on
+this VM ``autoparallel calibrate --nproc 2`` fitted 139 us per step + 3.44 ns per element
+back to back, 1081 us + 4.07 ns after the churn; the 21 M LLaMA's free plan on 2 ranks,
+priced after the churn: 45.5 ms against 48.6 measured, ``benchmarks/plan_fidelity.py``'s
+phase split). A small model's step, whose state stays in
 cache, is over-priced by the churn's fixed part (tiny LLaMA: 2.2 ms against 1.2)."""
 
 
