@@ -2,6 +2,7 @@
 
     python benchmarks/op_breakdown.py --hardware profile.json [--model llama-small]
         [--recipe free|ddp|fsdp|tp] [--nproc 2] [--steps 5] [--top 25]
+        [--phase step|forward|backward|optimizer]
 
 One set of gloo ranks plans ``--model`` (``benchmarks/workloads.py``) pinned to ``--recipe``
 under the profile, trains 3 untimed steps, then profiles ``--steps`` whole steps (zero_grad,
@@ -12,6 +13,12 @@ Ops the plan does not price per node show 0 there: the optimizer's ops (priced a
 ``plan.totals.optimizer_us``), the functional collectives and their waits (priced on the
 edges: ``comm`` in the totals line), and the copies the runtime adds. The profiler adds a few
 microseconds per op, so small ops read high.
+
+``--phase forward`` (or ``backward``, ``optimizer``) profiles only that part of each step
+(forward means the model and the loss, as ``plan_fidelity.py``'s phase split) and prices only
+that phase's nodes; the last line then sets the phase's wall time per step beside the
+profiled ops' summed self time and the plan's prediction for the phase
+(``workloads.predicted_phase_ms``): wall minus ops is Python and dispatch between the ops.
 """
 
 from __future__ import annotations
@@ -19,14 +26,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workloads import RECIPES, WORKLOADS, local_rows, make_optimizer, plan_ours, training_step
+from workloads import (
+    PHASES,
+    RECIPES,
+    WORKLOADS,
+    local_rows,
+    loss_of,
+    make_optimizer,
+    plan_ours,
+    predicted_phase_ms,
+)
 
 from autoparallel._testing.harness import run_distributed
 
@@ -46,27 +66,55 @@ def _breakdown_rank(rank: int, world_size: int, args: dict) -> dict:
     inputs = local_rows(inputs, rank, world_size)
     targets = local_rows(targets, rank, world_size)
     model = planned.module
-    step = training_step(model, make_optimizer(model), inputs, targets, 1 / world_size, [])
-    for _ in range(3):
-        step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args["steps"]):
-            dist.barrier()
-            step()
-    measured = {
-        event.key: (event.self_cpu_time_total / args["steps"], event.count / args["steps"])
-        for event in prof.key_averages()
-        if event.key.startswith(("aten::", "_c10d_functional::"))
-    }
+    optimizer = make_optimizer(model)
+    phase = args["phase"]
+    steps = args["steps"]
+    wall_s = {False: 0.0, True: 0.0}  # the phase's wall time, without and under the profiler
+    events: list = []
+
+    def run_part(part: str, run: Callable[[], Any], profiling: bool, timed: bool) -> Any:
+        if phase not in ("step", part):
+            return run()
+        prof = profile(activities=[ProfilerActivity.CPU]) if profiling else nullcontext()
+        with prof:
+            start = time.perf_counter()
+            result = run()
+            wall_s[profiling] += (time.perf_counter() - start) * timed
+        if profiling:
+            events.extend(prof.key_averages())
+        return result
+
+    # 3 warmup steps, then `steps` timed ones without the profiler, then `steps` under it.
+    for index in range(3 + 2 * steps):
+        profiling, timed = index >= 3 + steps, index >= 3
+        dist.barrier()
+        optimizer.zero_grad(set_to_none=True)
+        loss = run_part("forward", lambda: loss_of(model(inputs), targets), profiling, timed)
+        run_part("backward", lambda: (loss / world_size).backward(), profiling, timed)
+        run_part("optimizer", optimizer.step, profiling, timed)
+    measured_us: Counter = Counter()
+    measured_calls: Counter = Counter()
+    for event in events:
+        if event.key.startswith(("aten::", "_c10d_functional::")):
+            measured_us[event.key] += event.self_cpu_time_total / steps
+            measured_calls[event.key] += event.count / steps
+    measured = {name: (measured_us[name], measured_calls[name]) for name in measured_us}
     priced_us: Counter = Counter()
     priced_calls: Counter = Counter()
     for node in planned.plan.nodes.values():
-        if node.phase in ("forward", "backward") and node.target.startswith("aten."):
+        if node.phase not in ("forward", "backward") or phase not in ("step", node.phase):
+            continue
+        if node.target.startswith("aten."):
             name = "aten::" + node.target.split(".")[1]
             priced_us[name] += node.compute_us
             priced_calls[name] += 1
     totals = planned.plan.totals
+    predicted = predicted_phase_ms(planned.plan)
     return {
+        "phase": phase,
+        "wall_ms": wall_s[False] * 1e3 / steps,
+        "profiled_wall_ms": wall_s[True] * 1e3 / steps,
+        "predicted_ms": totals.total_us / 1e3 if phase == "step" else predicted[phase],
         "measured": measured,
         "priced": {name: (priced_us[name], priced_calls[name]) for name in priced_us},
         "totals_ms": {
@@ -99,6 +147,12 @@ def print_breakdown(result: dict, top: int) -> None:
         f"{sum(priced[n][0] for n in both) / 1e3:.2f} ms; plan totals (ms): "
         + ", ".join(f"{k} {v:.2f}" for k, v in result["totals_ms"].items())
     )
+    profiled_ms = sum(us for us, _ in measured.values()) / 1e3
+    print(
+        f"{result['phase']} per step: wall {result['wall_ms']:.2f} ms "
+        f"({result['profiled_wall_ms']:.2f} under the profiler), "
+        f"aten ops and collectives {profiled_ms:.2f} ms, predicted {result['predicted_ms']:.2f} ms"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--phase",
+        choices=("step",) + PHASES,
+        default="step",
+        help="profile only this part of each step (default: the whole step)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("need --steps >= 1")
@@ -119,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": args.recipe,
         "hardware": args.hardware,
         "steps": args.steps,
+        "phase": args.phase,
     }
     result = run_distributed(_breakdown_rank, args.nproc, settings, timeout_s=900)[0]
     print_breakdown(result, args.top)

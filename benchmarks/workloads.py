@@ -218,12 +218,17 @@ PHASES = ("forward", "backward", "optimizer")
 
 def predicted_phase_ms(plan: Plan) -> dict[str, float]:
     """The plan's predicted step split as :data:`PHASES` (ms): the forward's nodes (compute
-    and communication), the optimizer step, and the backward as the rest of the total (its
-    nodes, the gradient reductions and their buckets, less the communication hidden), the
-    runtime's own work outside its graphs included there."""
-    forward_us = sum(
-        node.compute_us + node.comm_us for node in plan.nodes.values() if node.phase == "forward"
-    )
+    and communication) and the redistribution of each user output into its tangent's
+    placement (priced on the tangent, but the runtime runs it as the output leaves the
+    forward), the optimizer step, and the backward as the rest of the total (its nodes, the
+    gradient reductions and their buckets, less the communication hidden), the runtime's own
+    work outside its graphs included there."""
+    forward_us = 0.0
+    for node in plan.nodes.values():
+        if node.phase == "forward":
+            forward_us += node.compute_us + node.comm_us
+        else:
+            forward_us += sum(a.comm_us for a in node.arguments if a.kind == "output")
     optimizer_us = plan.totals.optimizer_us
     backward_us = plan.totals.total_us - forward_us - optimizer_us
     return {
