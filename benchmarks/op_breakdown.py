@@ -90,7 +90,7 @@ def _breakdown_rank(rank: int, world_size: int, args: dict) -> dict:
         dist.barrier()
         optimizer.zero_grad(set_to_none=True)
         loss = run_part("forward", lambda: loss_of(model(inputs), targets), profiling, timed)
-        run_part("backward", lambda: (loss / world_size).backward(), profiling, timed)
+        run_part("backward", (loss / world_size).backward, profiling, timed)
         run_part("optimizer", optimizer.step, profiling, timed)
     measured_us: Counter = Counter()
     measured_calls: Counter = Counter()
