@@ -32,6 +32,7 @@ from torch import nn
 
 from autoparallel import AutoParallel, Plan
 from autoparallel.models import MLP, Llama, llama_config
+from autoparallel.models.moe import MOE_TINY, MoETransformer
 
 LR = 1e-3
 RECIPES = ("free", "ddp", "fsdp", "tp")
@@ -72,6 +73,17 @@ WORKLOADS: dict[str, Workload] = {
         "llama-small", _llama("small"), batch=4, seq=64, vocab=llama_config("small").vocab_size
     ),
 }
+
+
+MOE_TINY_WORKLOAD = Workload(
+    "moe-tiny",
+    lambda: MoETransformer(MOE_TINY),
+    batch=16,
+    seq=64,
+    vocab=MOE_TINY.vocab_size,
+)
+"""The tiny mixture-of-experts model (``benchmarks/moe_step_time.py``); apart from
+:data:`WORKLOADS`, whose 1-D benchmarks have no expert-parallel mesh dim."""
 
 
 def loss_of(output: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
@@ -157,8 +169,9 @@ def plan_ours(
     inputs, _ = workload.global_batch()
     start = time.perf_counter()
     with AutoParallel(model, lambda: inputs, mesh, hardware=hardware) as autop:
-        autop.add_input_constraints([(Shard(0),)])
-        autop.add_output_constraints([(Shard(0),)])
+        rows = tuple(Shard(0) for _ in range(mesh.ndim))  # split by rows over every mesh dim
+        autop.add_input_constraints([rows])
+        autop.add_output_constraints([rows])
         if memory_constraint:
             autop.add_parameter_memory_constraint()
         if memory_budget is not None:
@@ -190,12 +203,12 @@ def check_same_plan(plan: Plan) -> None:
 
 
 def build_torch_fsdp2(workload: Workload, mesh: Any) -> nn.Module:
-    """``fully_shard`` per transformer layer (the LLaMA) and on the root."""
+    """``fully_shard`` per transformer layer (the LLaMA, the MoE) and on the root."""
     from torch.distributed.fsdp import fully_shard
 
     with torch.device("meta"):
         model = workload.build()
-    if isinstance(model, Llama):
+    if isinstance(model, (Llama, MoETransformer)):
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
