@@ -214,6 +214,15 @@ def _train(
                 op="call_function", target=torch.ops._c10d_functional.all_reduce_.default
             )
         )
+        result["backward_all_reduces"] = result["reduced_in_place"] + len(
+            backward.find_nodes(
+                op="call_function", target=torch.ops._c10d_functional.all_reduce.default
+            )
+        )
+    result["gradient_buckets"] = [
+        b.description for b in plan.buckets if b.kind == "gradient_reduction"
+    ]
+    result["trained_parameters"] = len(plan.param_placements)
     if compiled:
         local = _local_rows(global_batches(model_name)[0], mesh)
         with torch.no_grad():
@@ -589,11 +598,15 @@ def check_parallel_training(
     if model_name == "mlp-constrained":  # the hidden activation and its gradient, replicated
         assert rank0["constrained"] == ["R", "R"]
     elif kind in ("ddp", "ddp-pinned"):
-        assert set(placements.values()) == {"R"}
+        assert set(placements.values()) == {"R" * len(shape)}
         assert rank0["all_reduces"] >= 1  # gradients are summed across ranks
         if kind == "ddp-pinned":  # the first bucket's all-reduce runs behind the backward
             assert rank0["compute_behind_first_reduction"] > 0
             assert rank0["reduced_in_place"] >= 1  # a bucket is reduced without a copy
+        if kind == "ddp-pinned" and len(shape) == 2:  # gradients pending over both mesh dims
+            assert any("mesh dims 0, 1" in d for d in rank0["gradient_buckets"])
+            # coalesced: a few all-reduces per mesh dim, not two per parameter
+            assert rank0["backward_all_reduces"] < rank0["trained_parameters"]
     elif kind == "gathered-heads":
         assert rank0["heads_gathered"]
     elif kind == "fsdp":

@@ -156,7 +156,7 @@ def test_a_gradient_sharded_twice_on_one_dim_is_not_coalesced(fake_mesh):
 
     from autoparallel.cost.topology import Topology
     from autoparallel.runtime.coalesce import coalescable
-    from autoparallel.solver.buckets import _single_step
+    from autoparallel.solver.buckets import _coalesced_step
 
     mesh = fake_mesh((2, 2))
     grad = DTensor.from_local(torch.zeros(8, 4), mesh, (Partial(), Shard(0)), run_check=False)
@@ -164,9 +164,52 @@ def test_a_gradient_sharded_twice_on_one_dim_is_not_coalesced(fake_mesh):
     assert coalescable(grad, (), (Shard(1), Shard(0)), mesh) is not None
     topology = Topology((2, 2))
     nested = ((Partial(), Shard(0)), (Shard(0), Shard(0)))
-    assert _single_step("gradient_reduction", *nested, (16, 4), topology) is None
+    assert _coalesced_step("gradient_reduction", *nested, (16, 4), topology) is None
     across = ((Partial(), Shard(0)), (Shard(1), Shard(0)))
-    assert _single_step("gradient_reduction", *across, (16, 4), topology) == (0, "reduce_scatter")
+    assert _coalesced_step("gradient_reduction", *across, (16, 4), topology) == (
+        (0,),
+        "reduce_scatter",
+    )
+
+
+def test_a_gradient_pending_over_two_mesh_dims_joins_one_all_reduce_bucket(fake_mesh):
+    """DDP over a 2-D mesh: a gradient Partial on both dims moving to Replicate on both is
+    coalesced by the runtime (all-reduced over each dim in turn) and priced as a bucket
+    member whose bucket pays one latency per mesh dim; a sum that ends sharded over one dim
+    and replicated over the other is neither."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    from autoparallel.cost.topology import Topology
+    from autoparallel.runtime.coalesce import Reduction, coalescable
+    from autoparallel.solver.buckets import _coalesced_step
+
+    mesh = fake_mesh((2, 2))
+    grad = DTensor.from_local(torch.zeros(8, 4), mesh, (Partial(), Partial()), run_check=False)
+    replicated = (Replicate(), Replicate())
+    assert coalescable(grad, (), replicated, mesh) == Reduction((0, 1), Replicate(), torch.float32)
+    assert coalescable(grad, (), (Shard(0), Replicate()), mesh) is None
+    topology = Topology((2, 2))
+    ddp = ((Partial(), Partial()), replicated)
+    assert _coalesced_step("gradient_reduction", *ddp, (8, 4), topology) == ((0, 1), "all_reduce")
+    mixed = ((Partial(), Partial()), (Shard(0), Replicate()))
+    assert _coalesced_step("gradient_reduction", *mixed, (8, 4), topology) is None
+
+    model = meta(lambda: MLP(64, 256))
+    pinned = {"w1.weight", "w1.bias", "w2.weight", "w2.bias"}
+    autop = AutoParallel(model, lambda: torch.randn(32, 64), mesh, hardware=GLOO_LIKE)
+    with autop:
+        rows = (Shard(0), Shard(0))
+        autop.add_input_constraints([rows])
+        autop.add_output_constraints([rows])
+        optimizer = autop.sharding_optimizer
+        for name in pinned:
+            optimizer.add_node_constraint(optimizer.problem.joint.params[name], replicated)
+        plan = autop.optimize_placement()
+    (bucket,) = [b for b in plan.buckets if b.kind == "gradient_reduction"]
+    assert bucket.tensors == len(pinned)
+    assert "mesh dims 0, 1" in bucket.description
+    latency = sum(ring_latency_us(d, Topology((2, 2), GLOO_LIKE), "all_reduce") for d in (0, 1))
+    assert bucket.latency_us == pytest.approx(latency)
 
 
 def _traced_ops(function, tensors) -> list:
@@ -184,7 +227,7 @@ def _reduce(target):
     from autoparallel.runtime.coalesce import Reduction, _reduce_together
 
     def run(mesh, dim, *grads):
-        return _reduce_together(list(grads), Reduction(0, target, torch.float32), mesh)
+        return _reduce_together(list(grads), Reduction((0,), target, torch.float32), mesh)
 
     return run
 

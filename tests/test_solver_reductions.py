@@ -23,6 +23,25 @@ from autoparallel.types.tensors import TensorInfo
 CONFIG = llama_config("tiny")  # 2 layers
 
 
+def _without_buckets(problem, use_routes: bool = True):
+    """``problem`` built again with every collective at its own latency (no buckets: those
+    reprice pair-encoded edges only, so the encodings' optima differ by design), with the
+    same user constraints (node columns come first in both)."""
+    from autoparallel.solver.problem import build_problem
+
+    rebuilt = build_problem(
+        problem.joint,
+        problem.space,
+        problem.tables,
+        problem.folding,
+        use_routes=use_routes,
+        price_buckets=False,
+    )
+    for constraint in problem.user_constraints.values():
+        rebuilt.add_constraint(constraint)
+    return rebuilt
+
+
 def _autop(mesh) -> AutoParallel:
     model = meta(lambda: Llama(CONFIG))
     autop = AutoParallel(model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), mesh)
@@ -35,7 +54,7 @@ def _autop(mesh) -> AutoParallel:
 
 
 def test_lp_first_reaches_the_mip_optimum(fake_mesh):
-    problem = _autop(fake_mesh((2, 2))).sharding_optimizer.problem
+    problem = _without_buckets(_autop(fake_mesh((2, 2))).sharding_optimizer.problem)
     lp_first = SolverOptions(lp_first=True, lp_first_min_variables=0)
     outcome = _run(problem, list(problem.user_constraints), lp_first)
     assert outcome.status == "Optimal"
@@ -144,7 +163,7 @@ def test_vectorized_build_prices_every_column_as_the_loop_did(fake_mesh):
     with AutoParallel(
         model, lambda: torch.randint(0, config.vocab_size, (8, 32)), fake_mesh((2, 2))
     ) as autop:
-        problem = autop.sharding_optimizer.problem
+        problem = _without_buckets(autop.sharding_optimizer.problem)
     assert problem.folding.num_folded > 0
     expected = [0.0] * problem.num_variables
     for node, columns in problem.node_columns.items():
@@ -234,14 +253,11 @@ def test_route_flows_keep_the_optimum_of_pair_pricing(fake_mesh, model, shape):
     """Edges priced as flows over single-step route arcs must give exactly the optimum of the
     same problem priced on placement pairs, with fewer variables; each route of the plan is
     single-dim steps that cost what the plan says."""
-    from autoparallel.solver.problem import build_problem
-
     autop = (_autop if model == "llama" else _mlp_autop)(fake_mesh(shape))
-    flows = autop.sharding_optimizer.problem
+    flows = _without_buckets(autop.sharding_optimizer.problem)
     assert "routes" in flows.edge_encodings
-    pairs = build_problem(flows.joint, flows.space, flows.tables, flows.folding, use_routes=False)
+    pairs = _without_buckets(flows, use_routes=False)
     assert set(pairs.edge_encodings) == {"pairs"}
-    pairs.user_constraints = dict(flows.user_constraints)  # x columns come first in both
     assert flows.num_variables < pairs.num_variables
     options = SolverOptions(time_limit_s=600)
     by_flows, by_pairs = solve(flows, options), solve(pairs, options)
@@ -283,10 +299,12 @@ def test_route_flows_keep_the_optimum_under_reduce_dtype_constraints(fake_mesh):
     ) as autop:
         autop.add_input_constraints([batch_sharded(2)])
         autop.add_parameter_memory_constraint()
-        flows = autop.sharding_optimizer.problem
-        assert "routes" in flows.edge_encodings
-        by_flows = autop.optimize_placement().solver
-    pairs = build_problem(flows.joint, flows.space, flows.tables, flows.folding, use_routes=False)
+        flows = _without_buckets(autop.sharding_optimizer.problem)
+    assert "routes" in flows.edge_encodings
+    by_flows = solve(flows, SolverOptions()).stats
+    pairs = build_problem(
+        flows.joint, flows.space, flows.tables, flows.folding, use_routes=False, price_buckets=False
+    )
     for name, constraint in flows.user_constraints.items():
         if not name.startswith("mixed_precision:"):
             pairs.add_constraint(constraint)

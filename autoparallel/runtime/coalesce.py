@@ -7,8 +7,11 @@ once per parameter (hundreds of times a step for a large model; ~0.5 ms each ove
 which is why FSDP and DDP bucket them. Here every gradient whose planned move is that single
 step, over the same mesh dim to the same target with the same dtype, joins one flat buffer
 reduced by one functional collective (or a few: a bucket carries at most
-``BUCKET_CAP_BYTES``, as DDP's do). Anything else (a multi-step route, a shard that does
-not divide evenly, a non-sum reduction) keeps its own redistribution.
+``BUCKET_CAP_BYTES``, as DDP's do). On a mesh of several dims, a gradient pending over
+several of them that moves to Replicate on all of them (DDP over a 2-D mesh) is one bucket
+too, all-reduced over each of those mesh dims in turn. Anything else (a route through other
+placements, a shard that does not divide evenly, a non-sum reduction, a sum that ends
+sharded over one mesh dim and replicated over another) keeps its own redistribution.
 
 The sums are the same elementwise sums as separate collectives would give; only the grouping
 of the bytes on the wire changes.
@@ -31,9 +34,11 @@ from autoparallel.types.bucketing import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTE
 
 @dataclass(frozen=True)
 class Reduction:
-    """What gradients reduced in one collective share."""
+    """What gradients reduced in one bucket share: the mesh dims they are summed over (one
+    for a reduce-scatter; one or more for all-reduces, issued in this order), the target
+    placement on those dims and the dtype."""
 
-    mesh_dim: int
+    mesh_dims: tuple[int, ...]
     target: Replicate | Shard
     dtype: torch.dtype
 
@@ -84,29 +89,32 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def coalescable(value: DTensor, route: tuple, target: tuple, mesh: DeviceMesh) -> Reduction | None:
-    """The reduction ``value``'s move is, when it is one sum over one mesh dim to Replicate
-    or to an evenly dividing Shard; None otherwise."""
+    """The reduction ``value``'s move is, when it is one sum over one mesh dim to an evenly
+    dividing Shard, or sums over one or more mesh dims to Replicate on each; None otherwise."""
     if route or not isinstance(value, DTensor):
         return None
     source = tuple(value.placements)
     changed = [dim for dim, (src, dst) in enumerate(zip(source, target)) if src != dst]
-    if len(changed) != 1:
+    if not changed or not all(_is_sum(source[dim]) for dim in changed):
+        return None
+    if all(isinstance(target[dim], Replicate) for dim in changed):
+        return Reduction(tuple(changed), Replicate(), value.dtype)
+    if len(changed) != 1 or type(target[changed[0]]) is not Shard:
         return None
     mesh_dim = changed[0]
-    src, dst = source[mesh_dim], target[mesh_dim]
-    if not isinstance(src, Partial) or src.reduce_op != "sum":
+    dst = target[mesh_dim]
+    local = value.to_local()
+    if local.ndim <= dst.dim or local.shape[dst.dim] % mesh.size(mesh_dim):
         return None
-    if type(dst) is Shard:
-        local = value.to_local()
-        if local.ndim <= dst.dim or local.shape[dst.dim] % mesh.size(mesh_dim):
-            return None
-        if any(_shards(p, dst.dim) for d, p in enumerate(target) if d != mesh_dim):
-            # a tensor dim sharded over two mesh dims: this rank's block of the local tensor
-            # is not its shard in the nested layout; left to DTensor's own redistribute
-            return None
-    elif not isinstance(dst, Replicate):
+    if any(_shards(p, dst.dim) for d, p in enumerate(target) if d != mesh_dim):
+        # a tensor dim sharded over two mesh dims: this rank's block of the local tensor
+        # is not its shard in the nested layout; left to DTensor's own redistribute
         return None
-    return Reduction(mesh_dim, dst, value.dtype)
+    return Reduction((mesh_dim,), dst, value.dtype)
+
+
+def _is_sum(placement: object) -> bool:
+    return isinstance(placement, Partial) and placement.reduce_op == "sum"
 
 
 def _shards(placement: object, dim: int) -> bool:
@@ -117,16 +125,18 @@ def _reduce_together(
     tensors: list[torch.Tensor], reduction: Reduction, mesh: DeviceMesh
 ) -> list[torch.Tensor]:
     if isinstance(reduction.target, Replicate):
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        summed = internals.all_reduce_sum(flat, mesh, reduction.mesh_dim)
+        summed = torch.cat([t.reshape(-1) for t in tensors])
+        for mesh_dim in reduction.mesh_dims:
+            summed = internals.all_reduce_sum(summed, mesh, mesh_dim)
         return [
             part.view(t.shape)
             for part, t in zip(summed.split([t.numel() for t in tensors]), tensors)
         ]
-    ranks, dim = mesh.size(reduction.mesh_dim), reduction.target.dim
+    (mesh_dim,) = reduction.mesh_dims
+    ranks, dim = mesh.size(mesh_dim), reduction.target.dim
     # rank-major: row r holds rank r's block of every gradient, in order
     rows = torch.cat([rank_blocks(t, ranks, dim) for t in tensors], dim=1)
-    mine = internals.reduce_scatter_sum(rows.view(-1), mesh, reduction.mesh_dim)
+    mine = internals.reduce_scatter_sum(rows.view(-1), mesh, mesh_dim)
     shapes = [_block_shape(t.shape, ranks, dim) for t in tensors]
     sizes = [math.prod(shape) for shape in shapes]
     return [part.view(shape) for part, shape in zip(mine.split(sizes), shapes)]

@@ -3,8 +3,10 @@
 The runtime issues two kinds of collective together (``runtime/coalesce.py``,
 ``runtime/param_gathers.py``):
 
-* parameter-gradient reductions whose move is one sum over one mesh dim (to Replicate, or to
-  an evenly dividing Shard), one collective per (mesh dim, target, dtype) for the whole step;
+* parameter-gradient reductions whose move is one sum over one mesh dim to an evenly
+  dividing Shard, or sums over one or more mesh dims to Replicate (DDP over every dim of a
+  2-D mesh: one all-reduce per mesh dim), one bucket per (mesh dims, target, dtype) for the
+  whole step;
 * reads of a parameter (or of its mixed-precision cast) whose move is one all-gather (Shard ->
   Replicate on one mesh dim, evenly divided), one collective per (phase, numbered layer,
   mesh dim, dtype).
@@ -22,12 +24,15 @@ column ``z >= y`` per member) is exact but makes the relaxation fractional: LLaM
 mesh went from an LP solve to branch and bound past its time limit. The shares keep the
 problem's structure (no column, no row), and folding applies.
 
-Known limit: buckets are priced on 1-D meshes only. On a 2-D mesh gradient-reduction
-buckets make the LP relaxation of LLaMA half-integral around the embedding's gradient (a
-50/50 mix of two placements beats both by 0.3 %), and branch and bound does not close that
-gap within minutes; pricing only the gather buckets there would tilt plans toward sharding
-parameters (gathers shared, reductions not), so neither is priced: on 2-D and 3-D meshes
-every collective still pays its own latency (conservative: the runtime coalesces them).
+Known limit: buckets are priced on 1-D and 2-D meshes only. On 2-D meshes they once made
+LLaMA's LP relaxation half-integral around the embedding's gradient; with the overlap
+windows and the price refits in place, LLaMA-3 8B on (8, 8) solves as an integral LP with
+them (``benchmarks/plan_time.py --model llama3-8b --mesh 8x8``), and pricing every
+reduction at its own latency there steered plans away from the data parallelism the
+runtime makes cheap (the tiny MoE on a gloo (2, 2) gathered its activations rather than
+reduce a gradient). On 3-D meshes the relaxation still turns fractional: the tiny LLaMA on
+(2, 2, 2) took 319 s of branch and bound against 24 s, so there every collective keeps its
+own latency (conservative: the runtime coalesces them).
 
 Such a pair is priced as its direct single step even where the route table found a cheaper
 multi-step route (say reduce-scatter then all-gather instead of an all-reduce): coalescing
@@ -60,6 +65,9 @@ from autoparallel.types.graph import layer_of
 from autoparallel.types.placements import is_multi, placement_str
 from autoparallel.types.problem import Bucket, BucketMember, Problem
 from autoparallel.types.tensors import local_shape
+
+MAX_BUCKET_MESH_DIMS = 2
+"""Buckets are priced on meshes of at most this many dims (see the module docstring)."""
 
 _PRICES = {
     "all_reduce": all_reduce_us,
@@ -153,7 +161,7 @@ def _coalesced_pairs(
     """(bucket key, pair index, saving, the collective's latency) of each pair of ``edge``
     that the runtime coalesces and that is cheaper without its latency than as priced."""
     joint, topology = problem.joint, problem.tables.topology
-    if len(topology.mesh_shape) > 1:  # see "Known limit" in the module docstring
+    if len(topology.mesh_shape) > MAX_BUCKET_MESH_DIMS:  # see the module docstring
         return
     if edge.kind == "param_grad":
         kind = "gradient_reduction"
@@ -167,23 +175,31 @@ def _coalesced_pairs(
     shape, dtype = tuple(value.shape), value.dtype
     for k, (i, j, comm, _) in enumerate(edge.pairs):
         src, dst = edge.src_options[i], edge.dst_options[j]
-        step = _single_step(kind, src, dst, shape, topology)
+        step = _coalesced_step(kind, src, dst, shape, topology)
         if step is None:
             continue
-        mesh_dim, collective = step
-        latency = ring_latency_us(mesh_dim, topology, collective)
+        mesh_dims, collective = step
+        latency = sum(ring_latency_us(d, topology, collective) for d in mesh_dims)
         nbytes = math.prod(
             local_shape(shape, dst if collective == "all_gather" else src, topology.mesh_shape)
         )
-        direct = _PRICES[collective](nbytes * value.element_size(), mesh_dim, topology)
+        direct = sum(
+            _PRICES[collective](nbytes * value.element_size(), d, topology) for d in mesh_dims
+        )
         bucketed = direct - latency + pack_us(edge, src, dst, step, topology)
         if not math.isfinite(comm) or not bucketed < comm - 1e-9:  # impossible, or no gain
             continue
+        mesh_dim = mesh_dims[0]
         target = placement_str((dst[mesh_dim],))
         dtype_name = str(dtype).removeprefix("torch.")
         if kind == "gradient_reduction":
-            description = f"{collective} over mesh dim {mesh_dim} to {target}, {dtype_name}"
-            key = (kind, description, mesh_dim, target, dtype_name)
+            over = (
+                f"mesh dim {mesh_dim}"
+                if len(mesh_dims) == 1
+                else "mesh dims " + ", ".join(map(str, mesh_dims))
+            )
+            description = f"{collective} over {over} to {target}, {dtype_name}"
+            key = (kind, description, mesh_dims, target, dtype_name)
         else:
             phase = "forward" if edge.consumer in joint.forward_nodes else "backward"
             layer = layer_of(param_names[edge.producer])
@@ -193,7 +209,11 @@ def _coalesced_pairs(
 
 
 def pack_us(
-    edge: EdgeCost, src: object, dst: object, step: tuple[int, str], topology: Topology
+    edge: EdgeCost,
+    src: object,
+    dst: object,
+    step: tuple[tuple[int, ...], str],
+    topology: Topology,
 ) -> float:
     """The host's work for one member of a bucket, on a synchronous host (CPU) only: its
     local bytes copied into the bucket's flat buffer, and the ops the runtime runs to pack
@@ -204,12 +224,12 @@ def pack_us(
     hardware = topology.hardware
     if not hardware.synchronous_ops:
         return 0.0
-    mesh_dim, collective = step
+    mesh_dims, collective = step
     value = edge.producer.meta["val"]
     shape, mesh_shape = tuple(value.shape), topology.mesh_shape
     local_bytes = math.prod(local_shape(shape, src, mesh_shape)) * value.element_size()
     sharded = dst if collective == "reduce_scatter" else src
-    ops = packing_ops(collective, getattr(sharded[mesh_dim], "dim", None))
+    ops = packing_ops(collective, getattr(sharded[mesh_dims[0]], "dim", None))
     copied = math.prod(local_shape(shape, dst, mesh_shape)) * value.element_size()
     copy_bytes = 2 * local_bytes + ops.copies * 2 * copied
     return (
@@ -219,13 +239,22 @@ def pack_us(
     )
 
 
-def _single_step(
+def _coalesced_step(
     kind: str, src: object, dst: object, shape: tuple, topology: Topology
-) -> tuple[int, str] | None:
-    """(mesh dim, collective) when ``src -> dst`` is the one step the runtime coalesces."""
+) -> tuple[tuple[int, ...], str] | None:
+    """(mesh dims, collective) when ``src -> dst`` is a move the runtime coalesces
+    (``runtime/coalesce.coalescable``, ``runtime/param_gathers.py``): an all-gather or a
+    reduce-scatter over one mesh dim, or all-reduces over one or more."""
     if src is None or dst is None or is_multi(src) or is_multi(dst):
         return None
     changed = [d for d, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if not changed:
+        return None
+    if kind == "gradient_reduction":
+        if not all(isinstance(src[d], Partial) and src[d].reduce_op == "sum" for d in changed):
+            return None
+        if all(isinstance(dst[d], Replicate) for d in changed):
+            return tuple(changed), "all_reduce"
     if len(changed) != 1:
         return None
     d = changed[0]
@@ -233,10 +262,6 @@ def _single_step(
     local = local_shape(shape, src, topology.mesh_shape)
     ranks = topology.mesh_shape[d]
     if kind == "gradient_reduction":
-        if not isinstance(before, Partial) or before.reduce_op != "sum":
-            return None
-        if isinstance(after, Replicate):
-            return d, "all_reduce"
         nested = any(
             type(p) is Shard and p.dim == getattr(after, "dim", None)
             for k, p in enumerate(dst)
@@ -248,12 +273,12 @@ def _single_step(
             and local[after.dim] % ranks == 0
             and not nested  # the runtime leaves a dim sharded twice to DTensor
         ):
-            return d, "reduce_scatter"
+            return (d,), "reduce_scatter"
         return None
     if (
         type(before) is Shard
         and isinstance(after, Replicate)
         and evenly_divisible(src, shape, topology.mesh_shape)
     ):
-        return d, "all_gather"
+        return (d,), "all_gather"
     return None
