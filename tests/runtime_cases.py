@@ -222,6 +222,7 @@ def _train(
     result["gradient_buckets"] = [
         b.description for b in plan.buckets if b.kind == "gradient_reduction"
     ]
+    result["gather_buckets"] = [b.description for b in plan.buckets if b.kind == "parameter_gather"]
     result["trained_parameters"] = len(plan.param_placements)
     if compiled:
         local = _local_rows(global_batches(model_name)[0], mesh)
@@ -611,6 +612,9 @@ def check_parallel_training(
         assert rank0["heads_gathered"]
     elif kind == "fsdp":
         assert all("S(" in p for p in placements.values() if p), placements
+        if len(shape) == 2:  # sharded over both mesh dims, gathered and reduced in buckets
+            assert any("mesh dims 0, 1" in d for d in rank0["gather_buckets"])
+            assert any("mesh dims 0, 1" in d for d in rank0["gradient_buckets"])
     elif kind == "recompute":
         assert rank0["recompute"], "the budget needs a recomputed layer"
     elif kind == "expert-parallel":  # the routed experts are split over "ep" by the region

@@ -186,7 +186,7 @@ def test_a_gradient_pending_over_two_mesh_dims_joins_one_all_reduce_bucket(fake_
     mesh = fake_mesh((2, 2))
     grad = DTensor.from_local(torch.zeros(8, 4), mesh, (Partial(), Partial()), run_check=False)
     replicated = (Replicate(), Replicate())
-    assert coalescable(grad, (), replicated, mesh) == Reduction((0, 1), Replicate(), torch.float32)
+    assert coalescable(grad, (), replicated, mesh) == Reduction((0, 1), replicated, torch.float32)
     assert coalescable(grad, (), (Shard(0), Replicate()), mesh) is None
     topology = Topology((2, 2))
     ddp = ((Partial(), Partial()), replicated)
@@ -227,7 +227,7 @@ def _reduce(target):
     from autoparallel.runtime.coalesce import Reduction, _reduce_together
 
     def run(mesh, dim, *grads):
-        return _reduce_together(list(grads), Reduction((0,), target, torch.float32), mesh)
+        return _reduce_together(list(grads), Reduction((0,), (target,), torch.float32), mesh)
 
     return run
 
@@ -235,7 +235,7 @@ def _reduce(target):
 def _gather(mesh, dim, *shards):
     from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers
 
-    group = Gather("layers.0.", 0, torch.float32)
+    group = Gather("layers.0.", (0,), torch.float32)
     reads = [((f"w{i}", (Replicate(),)), group) for i in range(len(shards))]
     env = {name: shard for ((name, _), _), shard in zip(reads, shards)}
     gathers = ParameterGathers(GatherPlan.of_reads(reads), mesh)
@@ -282,3 +282,25 @@ def test_the_packing_priced_per_member_is_what_the_runtime_runs(fake_mesh, colle
     assert views + copies == len(added), added
     expected = packing_ops(collective, dim)
     assert (views, copies) == (expected.views, expected.copies), added
+
+
+@pytest.mark.parametrize(
+    "shards", [[(2, 0)], [(2, 1)], [(2, 0), (3, 1)], [(2, 1), (3, 0)], [(2, 0), (3, 0)]]
+)
+def test_the_rank_major_layout_holds_each_ranks_shard(shards):
+    """A coalesced bucket's row r is rank r's block, in DTensor's layout: the outer mesh dim
+    chunks first, a tensor dim split by two mesh dims (nested) splits by the outer one first;
+    and the rows rebuild the full tensor."""
+    import itertools
+
+    from autoparallel.runtime.rank_layout import block_shape, from_rank_rows, to_rank_rows
+
+    full = torch.arange(12 * 18, dtype=torch.float32).view(12, 18)
+    rows = to_rank_rows(full, shards)
+    for rank, coordinates in enumerate(itertools.product(*(range(n) for n, _ in shards))):
+        block = full
+        for (ranks, dim), index in zip(shards, coordinates):
+            block = block.chunk(ranks, dim)[index]
+        assert block.shape == block_shape(full.shape, shards)
+        assert torch.equal(rows[rank], block.reshape(-1))
+    assert torch.equal(from_rank_rows(rows, block_shape(full.shape, shards), shards), full)

@@ -28,6 +28,7 @@ from runtime_cases import (
         ("llama", (2,), "ddp-pinned"),  # two gradient buckets, the first overlapped
         ("llama", (2, 2), "tp"),
         ("llama", (2, 2), "ddp-pinned"),  # gradients summed over both dims in one bucket
+        ("llama", (2, 2), "fsdp"),  # parameters gathered, gradients scattered over both dims
         ("llama", (2,), "gathered-heads"),  # a traced view on a gathered copy
         ("llama-deep", (2,), "fsdp"),  # its graph is built from 3 and 4 traced layers
         ("llama", (2,), "recompute"),  # layers the solver chose to recompute in the backward

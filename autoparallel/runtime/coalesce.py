@@ -8,10 +8,13 @@ which is why FSDP and DDP bucket them. Here every gradient whose planned move is
 step, over the same mesh dim to the same target with the same dtype, joins one flat buffer
 reduced by one functional collective (or a few: a bucket carries at most
 ``BUCKET_CAP_BYTES``, as DDP's do). On a mesh of several dims, a gradient pending over
-several of them that moves to Replicate on all of them (DDP over a 2-D mesh) is one bucket
-too, all-reduced over each of those mesh dims in turn. Anything else (a route through other
-placements, a shard that does not divide evenly, a non-sum reduction, a sum that ends
-sharded over one mesh dim and replicated over another) keeps its own redistribution.
+several of them joins one bucket with the gradients that move the same way: to Replicate on
+all of them (DDP over a 2-D mesh: all-reduced over each mesh dim in turn) or to Shard on
+all of them (FSDP over a 2-D mesh: reduce-scattered over each mesh dim in turn, the buffer
+in the rank-major layout of ``rank_layout.py``). Anything else (a route through other
+placements, a shard that does not divide evenly, a tensor dim another mesh dim also shards,
+a non-sum reduction, a sum that ends sharded over one mesh dim and replicated over another)
+keeps its own redistribution.
 
 The sums are the same elementwise sums as separate collectives would give; only the grouping
 of the bytes on the wire changes.
@@ -28,19 +31,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autoparallel import _torch_internals as internals
+from autoparallel.runtime import rank_layout
 from autoparallel.runtime.executor import redistribute_along
 from autoparallel.types.bucketing import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, capped_buckets
 
 
 @dataclass(frozen=True)
 class Reduction:
-    """What gradients reduced in one bucket share: the mesh dims they are summed over (one
-    for a reduce-scatter; one or more for all-reduces, issued in this order), the target
-    placement on those dims and the dtype."""
+    """What gradients reduced in one bucket share: the mesh dims they are summed over (in
+    ascending order), the target placement on each of them (all Replicate: all-reduces; all
+    Shard: reduce-scatters) and the dtype."""
 
     mesh_dims: tuple[int, ...]
-    target: Replicate | Shard
+    targets: tuple[Replicate | Shard, ...]
     dtype: torch.dtype
+
+    @property
+    def scatters(self) -> bool:
+        return isinstance(self.targets[0], Shard)
 
 
 def reduce_gradients(
@@ -89,28 +97,45 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def coalescable(value: DTensor, route: tuple, target: tuple, mesh: DeviceMesh) -> Reduction | None:
-    """The reduction ``value``'s move is, when it is one sum over one mesh dim to an evenly
-    dividing Shard, or sums over one or more mesh dims to Replicate on each; None otherwise."""
+    """The reduction ``value``'s move is, when it is sums over one or more mesh dims to
+    Replicate on each, or to evenly dividing Shards on each (of tensor dims no other mesh dim
+    shards); None otherwise."""
     if route or not isinstance(value, DTensor):
         return None
     source = tuple(value.placements)
     changed = [dim for dim, (src, dst) in enumerate(zip(source, target)) if src != dst]
     if not changed or not all(_is_sum(source[dim]) for dim in changed):
         return None
-    if all(isinstance(target[dim], Replicate) for dim in changed):
-        return Reduction(tuple(changed), Replicate(), value.dtype)
-    if len(changed) != 1 or type(target[changed[0]]) is not Shard:
+    targets = tuple(target[dim] for dim in changed)
+    if all(isinstance(t, Replicate) for t in targets):
+        return Reduction(tuple(changed), targets, value.dtype)
+    if not all(type(t) is Shard for t in targets):
         return None
-    mesh_dim = changed[0]
-    dst = target[mesh_dim]
     local = value.to_local()
-    if local.ndim <= dst.dim or local.shape[dst.dim] % mesh.size(mesh_dim):
+    for placement in targets:
+        if placement.dim >= local.ndim:
+            return None
+        if any(_shards(p, placement.dim) for d, p in enumerate(target) if d not in changed):
+            # a tensor dim also sharded by a mesh dim the move keeps: this rank's block of
+            # the local tensor is not its shard in the nested layout; left to DTensor
+            return None
+    if any(
+        local.shape[dim] % ranks for dim, ranks in _ranks_per_dim(changed, targets, mesh).items()
+    ):
         return None
-    if any(_shards(p, dst.dim) for d, p in enumerate(target) if d != mesh_dim):
-        # a tensor dim sharded over two mesh dims: this rank's block of the local tensor
-        # is not its shard in the nested layout; left to DTensor's own redistribute
-        return None
-    return Reduction((mesh_dim,), dst, value.dtype)
+    return Reduction(tuple(changed), targets, value.dtype)
+
+
+def _ranks_per_dim(changed: list[int], targets: tuple, mesh: DeviceMesh) -> dict[int, int]:
+    """How many ranks of the move's mesh dims split each tensor dim."""
+    ranks: dict[int, int] = {}
+    for mesh_dim, placement in zip(changed, targets):
+        ranks[placement.dim] = ranks.get(placement.dim, 1) * mesh.size(mesh_dim)
+    return ranks
+
+
+def _shards_of(mesh_dims: Sequence[int], targets: tuple, mesh: DeviceMesh) -> list[tuple[int, int]]:
+    return [(mesh.size(d), t.dim) for d, t in zip(mesh_dims, targets)]
 
 
 def _is_sum(placement: object) -> bool:
@@ -124,7 +149,7 @@ def _shards(placement: object, dim: int) -> bool:
 def _reduce_together(
     tensors: list[torch.Tensor], reduction: Reduction, mesh: DeviceMesh
 ) -> list[torch.Tensor]:
-    if isinstance(reduction.target, Replicate):
+    if not reduction.scatters:
         summed = torch.cat([t.reshape(-1) for t in tensors])
         for mesh_dim in reduction.mesh_dims:
             summed = internals.all_reduce_sum(summed, mesh, mesh_dim)
@@ -132,25 +157,12 @@ def _reduce_together(
             part.view(t.shape)
             for part, t in zip(summed.split([t.numel() for t in tensors]), tensors)
         ]
-    (mesh_dim,) = reduction.mesh_dims
-    ranks, dim = mesh.size(mesh_dim), reduction.target.dim
-    # rank-major: row r holds rank r's block of every gradient, in order
-    rows = torch.cat([rank_blocks(t, ranks, dim) for t in tensors], dim=1)
-    mine = internals.reduce_scatter_sum(rows.view(-1), mesh, mesh_dim)
-    shapes = [_block_shape(t.shape, ranks, dim) for t in tensors]
+    shards = _shards_of(reduction.mesh_dims, reduction.targets, mesh)
+    # rank-major: row r holds rank r's block of every gradient, in order; each
+    # reduce-scatter, outermost mesh dim first, keeps this rank's rows of the next
+    mine = torch.cat([rank_layout.to_rank_rows(t, shards) for t in tensors], dim=1).view(-1)
+    for mesh_dim in reduction.mesh_dims:
+        mine = internals.reduce_scatter_sum(mine, mesh, mesh_dim)
+    shapes = [rank_layout.block_shape(t.shape, shards) for t in tensors]
     sizes = [math.prod(shape) for shape in shapes]
     return [part.view(shape) for part, shape in zip(mine.split(sizes), shapes)]
-
-
-def rank_blocks(tensor: torch.Tensor, ranks: int, dim: int) -> torch.Tensor:
-    """``[ranks, numel / ranks]``: row r is the r-th of ``ranks`` equal blocks of ``tensor``
-    along ``dim``, flattened (views for a contiguous tensor split on ``dim`` 0, else one copy)."""
-    shape = tuple(tensor.shape)
-    blocks = tensor.reshape(*shape[:dim], ranks, shape[dim] // ranks, *shape[dim + 1 :])
-    if dim:
-        blocks = blocks.movedim(dim, 0)
-    return blocks.reshape(ranks, -1)
-
-
-def _block_shape(shape: torch.Size, ranks: int, dim: int) -> tuple[int, ...]:
-    return (*shape[:dim], shape[dim] // ranks, *shape[dim + 1 :])

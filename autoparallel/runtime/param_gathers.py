@@ -3,15 +3,18 @@
 A plan that shards parameters (FSDP-like) all-gathers each one where an op first reads it
 replicated, one collective per parameter and per phase. FSDP instead gathers a whole layer's
 parameters in one collective. Here, within one run of a phase, every parameter read whose
-planned move is one all-gather (Shard -> Replicate on one mesh dim, evenly divided, no route
-in between) joins the group of its numbered layer (``layers.3.``), mesh dim and dtype; the
-first read of any member gathers the whole group in one flat collective, and each gathered
-value is dropped after the phase's last read of it. Memory: one layer's parameters are
-unsharded at a time, as with FSDP.
+planned move is all-gathers (Shard -> Replicate on one or more mesh dims, evenly divided, of
+tensor dims no other mesh dim shards, no route in between) joins the group of its numbered
+layer (``layers.3.``), mesh dims and dtype; the first read of any member gathers the whole
+group in one flat buffer (one collective per mesh dim, innermost first, which leaves the
+rows in the rank-major layout of ``rank_layout.py``), and each gathered value is dropped
+after the phase's last read of it. Memory: one layer's parameters are unsharded at a time,
+as with FSDP.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,15 +22,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoparallel import _torch_internals as internals
+from autoparallel.runtime import rank_layout
 from autoparallel.types.graph import layer_of
 
 
 @dataclass(frozen=True)
 class Gather:
-    """What parameter all-gathers done in one collective share."""
+    """What parameter all-gathers done in one bucket share (mesh dims in ascending order)."""
 
     layer: str
-    mesh_dim: int
+    mesh_dims: tuple[int, ...]
     dtype: torch.dtype
 
 
@@ -65,24 +69,26 @@ def plan_gather(
     mesh_shape: tuple,
 ) -> Gather | None:
     """The group of a parameter read in ``wanted`` placements, when the move from its own
-    ``source`` placements is one all-gather (Shard -> Replicate on one mesh dim) of evenly
-    divided shards of a tensor dim no other mesh dim shards; None otherwise."""
+    ``source`` placements is all-gathers (Shard -> Replicate on one or more mesh dims) of
+    evenly divided tensor dims that no mesh dim the move keeps also shards; None otherwise."""
     changed = [dim for dim, (src, dst) in enumerate(zip(source, wanted)) if src != dst]
-    if len(changed) != 1:
+    if not changed:
         return None
-    mesh_dim = changed[0]
-    src, dst = source[mesh_dim], wanted[mesh_dim]
-    if type(src) is not Shard or not isinstance(dst, Replicate) or src.dim >= len(shape):
-        return None
+    ranks: dict[int, int] = {}  # tensor dim -> how many ranks of the move split it
+    for mesh_dim in changed:
+        src, dst = source[mesh_dim], wanted[mesh_dim]
+        if type(src) is not Shard or not isinstance(dst, Replicate) or src.dim >= len(shape):
+            return None
+        ranks[src.dim] = ranks.get(src.dim, 1) * mesh_shape[mesh_dim]
     for other, placement in enumerate(source):
-        # a tensor dim sharded over two mesh dims: one rank's rows along ``mesh_dim`` are not
+        # a tensor dim also sharded by a mesh dim the move keeps: one rank's rows are not
         # contiguous in the wanted layout, so the flat gather would misplace them; left to
         # DTensor's own redistribute
-        if other != mesh_dim and type(placement) is Shard and placement.dim == src.dim:
+        if other not in changed and type(placement) is Shard and placement.dim in ranks:
             return None
-    if shape[src.dim] % mesh_shape[mesh_dim]:
+    if any(shape[dim] % count for dim, count in ranks.items()):
         return None
-    return Gather(layer_of(param_name), mesh_dim, dtype)
+    return Gather(layer_of(param_name), tuple(changed), dtype)
 
 
 class ParameterGathers:
@@ -113,26 +119,16 @@ class ParameterGathers:
         members = self.plan.members[group]
         values = [env[node] for node, _ in members]
         tensors = [value.to_local() for value in values]
-        ranks = self.mesh.size(group.mesh_dim)
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        rows = internals.all_gather_rows(flat, self.mesh, group.mesh_dim).view(ranks, -1)
-        parts = rows.split([t.numel() for t in tensors], dim=1)
+        rows = torch.cat([t.reshape(-1) for t in tensors])
+        for mesh_dim in reversed(group.mesh_dims):  # innermost first: rank-major rows
+            rows = internals.all_gather_rows(rows, self.mesh, mesh_dim)
+        ranks = math.prod(self.mesh.size(d) for d in group.mesh_dims)
+        parts = rows.view(ranks, -1).split([t.numel() for t in tensors], dim=1)
         for (node, wanted), value, tensor, part in zip(members, values, tensors, parts):
-            shard_dim = value.placements[group.mesh_dim].dim
+            shards = [(self.mesh.size(d), value.placements[d].dim) for d in group.mesh_dims]
             self.ready[(node, wanted)] = DTensor.from_local(
-                stack_pieces(part, tuple(tensor.shape), shard_dim),
+                rank_layout.from_rank_rows(part, tuple(tensor.shape), shards),
                 self.mesh,
                 wanted,
                 run_check=False,
             )
-
-
-def stack_pieces(rows: torch.Tensor, shape: tuple[int, ...], dim: int) -> torch.Tensor:
-    """The full tensor whose pieces along ``dim`` are ``rows[r]`` (rank r's piece of shape
-    ``shape``, flattened), in rank order: one copy (none when the rows are the gathered
-    buffer itself and ``dim`` is 0), however many ranks."""
-    ranks = rows.shape[0]
-    pieces = rows.view(ranks, *shape)
-    if dim:
-        pieces = pieces.movedim(0, dim)
-    return pieces.reshape(*shape[:dim], ranks * shape[dim], *shape[dim + 1 :])

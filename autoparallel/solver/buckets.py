@@ -3,13 +3,16 @@
 The runtime issues two kinds of collective together (``runtime/coalesce.py``,
 ``runtime/param_gathers.py``):
 
-* parameter-gradient reductions whose move is one sum over one mesh dim to an evenly
-  dividing Shard, or sums over one or more mesh dims to Replicate (DDP over every dim of a
-  2-D mesh: one all-reduce per mesh dim), one bucket per (mesh dims, target, dtype) for the
-  whole step;
-* reads of a parameter (or of its mixed-precision cast) whose move is one all-gather (Shard ->
-  Replicate on one mesh dim, evenly divided), one collective per (phase, numbered layer,
-  mesh dim, dtype).
+* parameter-gradient reductions whose move is sums over one or more mesh dims, to
+  Replicate on each (all-reduces: DDP over every dim of a 2-D mesh) or to evenly dividing
+  Shards on each (reduce-scatters: FSDP over both dims), one bucket per (mesh dims, targets,
+  dtype) for the whole step;
+* reads of a parameter (or of its mixed-precision cast) whose move is all-gathers (Shard ->
+  Replicate on one or more mesh dims, evenly divided), one bucket per (phase, numbered layer,
+  mesh dims, dtype).
+
+A bucket over several mesh dims runs one collective per dim (``runtime/rank_layout.py``);
+a tensor dim that a mesh dim the move keeps also shards is left out (nested layouts).
 
 Pricing each of them as a collective of its own charges the fixed cost (the latency of every
 ring step) once per tensor: on gloo that is ~1 ms per gradient, so a per-tensor model prefers
@@ -180,32 +183,46 @@ def _coalesced_pairs(
             continue
         mesh_dims, collective = step
         latency = sum(ring_latency_us(d, topology, collective) for d in mesh_dims)
-        nbytes = math.prod(
-            local_shape(shape, dst if collective == "all_gather" else src, topology.mesh_shape)
-        )
-        direct = sum(
-            _PRICES[collective](nbytes * value.element_size(), d, topology) for d in mesh_dims
-        )
+        local_bytes = math.prod(local_shape(shape, src, topology.mesh_shape)) * value.element_size()
+        direct = _steps_us(collective, mesh_dims, local_bytes, topology)
         bucketed = direct - latency + pack_us(edge, src, dst, step, topology)
         if not math.isfinite(comm) or not bucketed < comm - 1e-9:  # impossible, or no gain
             continue
-        mesh_dim = mesh_dims[0]
-        target = placement_str((dst[mesh_dim],))
+        target = placement_str(tuple(dst[d] for d in mesh_dims))
         dtype_name = str(dtype).removeprefix("torch.")
+        over = (
+            f"mesh dim {mesh_dims[0]}"
+            if len(mesh_dims) == 1
+            else "mesh dims " + ", ".join(map(str, mesh_dims))
+        )
         if kind == "gradient_reduction":
-            over = (
-                f"mesh dim {mesh_dim}"
-                if len(mesh_dims) == 1
-                else "mesh dims " + ", ".join(map(str, mesh_dims))
-            )
             description = f"{collective} over {over} to {target}, {dtype_name}"
             key = (kind, description, mesh_dims, target, dtype_name)
         else:
             phase = "forward" if edge.consumer in joint.forward_nodes else "backward"
             layer = layer_of(param_names[edge.producer])
-            description = f"{collective} over mesh dim {mesh_dim}, {dtype_name}, per layer, {phase}"
-            key = (kind, description, mesh_dim, dtype_name, phase, layer)
+            description = f"{collective} over {over}, {dtype_name}, per layer, {phase}"
+            key = (kind, description, mesh_dims, dtype_name, phase, layer)
         yield key, k, comm - bucketed, latency
+
+
+def _steps_us(
+    collective: str, mesh_dims: tuple[int, ...], local_bytes: float, topology: Topology
+) -> float:
+    """The collectives of a coalesced move, one per mesh dim in the runtime's order, from a
+    local buffer of ``local_bytes``: all-gathers innermost dim first (the buffer grows by
+    each dim's ranks), reduce-scatters outermost first (it shrinks), all-reduces at full size."""
+    total, nbytes = 0.0, float(local_bytes)
+    if collective == "all_gather":
+        for d in reversed(mesh_dims):
+            nbytes *= topology.mesh_shape[d]
+            total += all_gather_us(nbytes, d, topology)
+        return total
+    for d in mesh_dims:
+        total += _PRICES[collective](nbytes, d, topology)
+        if collective == "reduce_scatter":
+            nbytes /= topology.mesh_shape[d]
+    return total
 
 
 def pack_us(
@@ -243,42 +260,39 @@ def _coalesced_step(
     kind: str, src: object, dst: object, shape: tuple, topology: Topology
 ) -> tuple[tuple[int, ...], str] | None:
     """(mesh dims, collective) when ``src -> dst`` is a move the runtime coalesces
-    (``runtime/coalesce.coalescable``, ``runtime/param_gathers.py``): an all-gather or a
-    reduce-scatter over one mesh dim, or all-reduces over one or more."""
+    (``runtime/coalesce.coalescable``, ``runtime/param_gathers.plan_gather``): sums over one
+    or more mesh dims to Replicate on each (all-reduces) or to evenly dividing Shards on each
+    (reduce-scatters); all-gathers from evenly dividing Shards to Replicate on one or more
+    mesh dims. A tensor dim that a mesh dim the move keeps also shards is left out."""
     if src is None or dst is None or is_multi(src) or is_multi(dst):
         return None
-    changed = [d for d, (a, b) in enumerate(zip(src, dst)) if a != b]
+    changed = tuple(d for d, (a, b) in enumerate(zip(src, dst)) if a != b)
     if not changed:
         return None
     if kind == "gradient_reduction":
         if not all(isinstance(src[d], Partial) and src[d].reduce_op == "sum" for d in changed):
             return None
         if all(isinstance(dst[d], Replicate) for d in changed):
-            return tuple(changed), "all_reduce"
-    if len(changed) != 1:
-        return None
-    d = changed[0]
-    before, after = src[d], dst[d]
-    local = local_shape(shape, src, topology.mesh_shape)
-    ranks = topology.mesh_shape[d]
-    if kind == "gradient_reduction":
-        nested = any(
-            type(p) is Shard and p.dim == getattr(after, "dim", None)
-            for k, p in enumerate(dst)
-            if k != d
+            return changed, "all_reduce"
+        sharded, collective, split = (
+            dst,
+            "reduce_scatter",
+            local_shape(shape, src, topology.mesh_shape),
         )
-        if (
-            type(after) is Shard
-            and after.dim < len(local)
-            and local[after.dim] % ranks == 0
-            and not nested  # the runtime leaves a dim sharded twice to DTensor
-        ):
-            return (d,), "reduce_scatter"
+    else:
+        if not all(type(src[d]) is Shard and isinstance(dst[d], Replicate) for d in changed):
+            return None
+        sharded, collective, split = src, "all_gather", shape
+    if not all(type(sharded[d]) is Shard and sharded[d].dim < len(shape) for d in changed):
         return None
-    if (
-        type(before) is Shard
-        and isinstance(after, Replicate)
-        and evenly_divisible(src, shape, topology.mesh_shape)
-    ):
-        return (d,), "all_gather"
-    return None
+    ranks: dict[int, int] = {}
+    for d in changed:
+        ranks[sharded[d].dim] = ranks.get(sharded[d].dim, 1) * topology.mesh_shape[d]
+    kept = [p for d, p in enumerate(sharded) if d not in changed]
+    if any(type(p) is Shard and p.dim in ranks for p in kept):
+        return None  # nested with a kept mesh dim: the runtime leaves it to DTensor
+    if kind == "parameter_gather" and not evenly_divisible(src, shape, topology.mesh_shape):
+        return None
+    if any(split[dim] % count for dim, count in ranks.items()):
+        return None
+    return changed, collective
