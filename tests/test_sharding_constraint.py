@@ -11,6 +11,7 @@ from autoparallel import AutoParallel, InfeasibleConstraintsError, with_sharding
 from autoparallel.models import MLP
 
 DP_TP = (Shard(0), Replicate())
+HIDDEN_TP = (Shard(0), Shard(1))  # the hidden features split over tp, Megatron's layout
 
 
 def _plan(fake_mesh, hidden_placements, extra=None):
@@ -35,21 +36,23 @@ def _constrained(plan):
 
 def test_the_constraint_pins_the_activation_and_its_gradient(fake_mesh):
     _, free = _plan(fake_mesh, None)
-    assert free.nodes["gelu"].strategy.output != DP_TP  # left alone, the planner picks otherwise
-    autop, plan = _plan(fake_mesh, DP_TP)
-    assert list(_constrained(plan).values()) == [DP_TP, DP_TP]  # forward value and gradient
+    # left alone, the planner picks otherwise
+    assert free.nodes["gelu"].strategy.output != HIDDEN_TP
+    autop, plan = _plan(fake_mesh, HIDDEN_TP)
+    # forward value and gradient
+    assert list(_constrained(plan).values()) == [HIDDEN_TP, HIDDEN_TP]
     descriptions = autop.sharding_optimizer.constraints()
     assert (
         descriptions["with_sharding_constraint:sharding_constraint"]
-        == "with_sharding_constraint on gelu = S(0)R"
+        == "with_sharding_constraint on gelu = S(0)S(1)"
     )
     assert "(gradient)" in descriptions["with_sharding_constraint:sharding_constraint_1"]
     assert plan.totals.total_us > free.totals.total_us  # it costs something, and is obeyed anyway
 
 
 def test_another_layout_is_obeyed_too(fake_mesh):
-    _, plan = _plan(fake_mesh, (Shard(0), Shard(1)))
-    assert list(_constrained(plan).values()) == [(Shard(0), Shard(1))] * 2
+    _, plan = _plan(fake_mesh, DP_TP)
+    assert list(_constrained(plan).values()) == [DP_TP] * 2
 
 
 def test_contradiction_with_a_node_constraint_is_named(fake_mesh):
