@@ -233,10 +233,11 @@ def predicted_phase_ms(plan: Plan) -> dict[str, float]:
     """The plan's predicted step split as :data:`PHASES` (ms): the forward's nodes (compute
     and communication) and the redistribution of each user output into its tangent's
     placement (priced on the tangent, but the runtime runs it as the output leaves the
-    forward), the optimizer step, and the backward as the rest of the total (its nodes, the
-    gradient reductions and their buckets, less the communication hidden), the runtime's own
-    work outside its graphs included there."""
-    forward_us = 0.0
+    forward) and the latency of the forward's parameter-gather buckets; the optimizer step;
+    and the backward as the rest of the total (its nodes, the gradient reductions and their
+    buckets, less the communication hidden), the runtime's own work outside its graphs
+    included there."""
+    forward_us = sum(b.latency_us for b in plan.buckets if b.phase == "forward")
     for node in plan.nodes.values():
         if node.phase == "forward":
             forward_us += node.compute_us + node.comm_us

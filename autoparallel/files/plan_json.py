@@ -365,6 +365,7 @@ def _buckets(plan: Plan) -> list[dict[str, Any]]:
             "latency_us": _num(b.latency_us),
             "tensors": b.tensors,
             "candidates": b.candidates,
+            "phase": b.phase,
         }
         for b in plan.buckets
     ]

@@ -98,7 +98,16 @@ def build_plan(
             )
         )
     buckets = [
-        BucketCost(b.kind, b.description, b.latency_us, in_use[id(b)], b.candidates)
+        BucketCost(
+            b.kind,
+            b.description,
+            b.latency_us,
+            in_use[id(b)],
+            b.candidates,
+            "forward"
+            if problem.tables.edges[b.members[0].edge].consumer in joint.forward_nodes
+            else "backward",
+        )
         for b in problem.buckets
         if id(b) in in_use
     ]

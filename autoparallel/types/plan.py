@@ -123,6 +123,7 @@ class BucketCost:
     latency_us: float  # paid once per step (per phase, for a layer's gathers)
     tensors: int  # how many of the plan's moves it carries
     candidates: int  # how many could have joined (the objective shared the latency by these)
+    phase: str = "backward"  # the phase that runs it ("forward": a layer's forward gathers)
 
 
 @dataclass(frozen=True)
