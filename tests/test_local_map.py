@@ -119,12 +119,27 @@ def test_the_cli_plans_the_moe_with_experts_over_ep(tmp_path):
 
     from planning import run_cli
 
-    out = tmp_path / "plan.json"
+    out, html = tmp_path / "plan.json", tmp_path / "plan.html"
     done = run_cli(
         "plan", "--model", "moe-tiny", "--layers", "1", "--mesh", "2x2", "--mesh-names", "dp,ep",
-        "--batch", "8", "--seq", "16", "--out", str(out),
+        "--batch", "8", "--seq", "16", "--out", str(out), "--html", str(html),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    placements = {p["name"]: p["placements"] for p in json.loads(out.read_text())["parameters"]}
+    data = json.loads(out.read_text())
+    placements = {p["name"]: p["placements"] for p in data["parameters"]}
     experts = [p for name, p in placements.items() if ".experts." in name]
     assert len(experts) == 3 and all(p.endswith("S(0)") for p in experts), placements
+    # the region is reported: where the model calls it, the placements it fixes, its price
+    (region,) = data["regions"]
+    assert region["function"] == "routed_experts" and region["instances"] == 1
+    file, line = region["source"].rsplit(":", 1)
+    assert file.endswith("models/moe.py") and line.isdigit()
+    assert [i["placements"] for i in region["inputs"]][-3:] == ["RS(0)"] * 3  # experts over ep
+    assert region["outputs"] == [{"placements": "S(0)S(0)"}]
+    forward = region["forward"]
+    assert {c["kind"] for c in forward["collectives"]} == {"all_to_all"}
+    assert all(c["mesh_dim"] == 1 for c in forward["collectives"])  # over "ep"
+    assert forward["compute_us"] > 0 and forward["comm_us"] > 0
+    assert "region routed_experts at" in done.stdout
+    page = html.read_text()
+    assert 'id="regions"' in page and "routed_experts" in page and "all_to_all over ep" in page

@@ -29,16 +29,23 @@ _COLLECTIVE_PRICES = {
 
 def region_cost_us(region: LocalMapRegion, backward: bool, topology: Topology) -> float:
     """Time of the region's forward op (``backward`` False) or backward op on one rank."""
+    return sum(region_cost_parts_us(region, backward, topology))
+
+
+def region_cost_parts_us(
+    region: LocalMapRegion, backward: bool, topology: Topology
+) -> tuple[float, float]:
+    """(ops, collectives) of :func:`region_cost_us`: what the body computes and what its own
+    collectives take, apart (for the plan's report)."""
     profile = region.profile
     if profile is None:
-        return 0.0
-    if backward:
-        return _ops_us(profile.backward_ops, topology) + _collectives_us(
-            profile.backward_collectives, topology
-        )
-    return _ops_us(profile.forward_ops, topology) + _collectives_us(
-        profile.forward_collectives, topology
+        return 0.0, 0.0
+    ops, collectives = (
+        (profile.backward_ops, profile.backward_collectives)
+        if backward
+        else (profile.forward_ops, profile.forward_collectives)
     )
+    return _ops_us(ops, topology), _collectives_us(collectives, topology)
 
 
 def _ops_us(ops: tuple[OpRecord, ...], topology: Topology) -> float:

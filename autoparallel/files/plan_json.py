@@ -13,7 +13,9 @@ each device holds), ``inputs``/``outputs``, ``nodes`` (placements and costs per 
 pays once, and how many tensors share it), ``overlaps`` (communication the runtime runs
 behind compute: what, behind what, and the part hidden; ``totals.hidden_comm_us`` is their
 sum and ``totals.exposed_comm_us`` the comm the step waits for), ``fallbacks`` and
-``constraints``. Two more are added by
+``constraints``, and ``regions`` (each ``local_map`` region of the model: where it is
+called, its fixed placements, how many times the graph runs it, and the priced compute and
+collectives of its forward and backward op on one rank). Two more are added by
 ``autoparallel plan``: ``run`` (model, batch, timings) and ``problem`` (the file name of the
 whole problem saved as ``.npz``, relative to the JSON's folder, for ``autoparallel explain
 --placement``; absent when none was saved). Readers must ignore keys they do not know, so
@@ -40,7 +42,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from autoparallel.cost.regions import region_cost_parts_us
 from autoparallel.cost.topology import Topology
+from autoparallel.regions.local_map import region_backward_op
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi, placement_str
 from autoparallel.types.plan import ArgumentCost, NodePlan, Plan
@@ -522,6 +526,61 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
         "memory": data["memory"],
         "fallbacks": data["fallbacks"],
         "constraints": {name: c.description for name, c in problem.user_constraints.items()},
+        "regions": _regions(joint, topology),
+    }
+
+
+def _regions(joint: JointGraph, topology: Topology) -> list[dict[str, Any]]:
+    """One entry per ``local_map`` region (identical layers share one), in graph order."""
+    regions: dict[str, Any] = {}
+    instances: dict[str, int] = {}
+    for node in joint.graph.nodes:
+        region = node.meta.get("local_map_region")
+        if region is None or node.target is region_backward_op:
+            continue
+        regions.setdefault(region.key, region)
+        instances[region.key] = instances.get(region.key, 0) + 1
+    return [
+        {
+            "key": key,
+            "function": getattr(region.func, "__qualname__", repr(region.func)),
+            "source": region.source,
+            "instances": instances[key],
+            "inputs": [
+                {
+                    "placements": placement_str(tuple(placements)),
+                    "gradient": placement_str(tuple(grad)) if differentiable else None,
+                    "local_shape": list(info.shape),
+                }
+                for placements, grad, differentiable, info in zip(
+                    region.in_placements,
+                    region.in_grad_placements,
+                    region.differentiable,
+                    region.local_inputs,
+                )
+            ],
+            "outputs": [{"placements": placement_str(tuple(p))} for p in region.out_placements],
+            "forward": _region_op(region, False, topology),
+            "backward": _region_op(region, True, topology),
+        }
+        for key, region in regions.items()
+    ]
+
+
+def _region_op(region: Any, backward: bool, topology: Topology) -> dict[str, Any]:
+    compute, comm = region_cost_parts_us(region, backward, topology)
+    profile = region.profile
+    records = (
+        ()
+        if profile is None
+        else (profile.backward_collectives if backward else profile.forward_collectives)
+    )
+    return {
+        "compute_us": _num(compute),
+        "comm_us": _num(comm),
+        "collectives": [
+            {"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes} for c in records
+        ],
     }
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from autoparallel.report import template as t
 from autoparallel.report.html_memory import memory_section
+from autoparallel.report.html_regions import regions_section
 from autoparallel.report.template import embed_json, format_bytes, json_safe, placement_html
 from autoparallel.report.text import hardware_lines
 
@@ -62,6 +63,7 @@ def render_html(data: Mapping[str, Any]) -> str:
             _parameters_section(data, dims),
             _io_section(data, dims),
             _layers_section(data),
+            regions_section(data, dims),
             _hotspots_section(data, dims),
             _collectives_section(data, dims),
             _nodes_section(data, dims),
@@ -147,6 +149,7 @@ def _nav() -> str:
         ("parameters", "parameters"),
         ("io", "inputs/outputs"),
         ("layers", "cost per module"),
+        ("regions", "regions"),
         ("hotspots", "hot spots"),
         ("collectives", "collectives"),
         ("nodes", "nodes"),

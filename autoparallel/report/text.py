@@ -89,6 +89,7 @@ def summary_lines(data: Mapping[str, Any]) -> list[str]:
     lines += parameter_lines(data)
     lines += totals_lines(data)
     lines += memory_lines(data)
+    lines += region_lines(data)
     lines += _hotspot_lines(data)
     lines += solver_lines(data)
     if data.get("fallbacks"):
@@ -242,6 +243,26 @@ def memory_lines(data: Mapping[str, Any]) -> list[str]:
             f"  recomputed in the backward ({len(recomputed)} layers, "
             f"+{_fmt_us(float(m.get('recompute_us') or 0.0))} of forward compute): "
             + ", ".join(recomputed)
+        )
+    return lines
+
+
+def region_lines(data: Mapping[str, Any]) -> list[str]:
+    """One line per ``local_map`` region: where it is called, how often it runs, the
+    placements it fixes and what one run of its forward and backward is priced."""
+    lines = []
+    for region in data.get("regions") or []:
+        inputs = ", ".join(str(i.get("placements")) for i in region.get("inputs") or [])
+        outputs = ", ".join(str(o.get("placements")) for o in region.get("outputs") or [])
+        priced = []
+        for phase in ("forward", "backward"):
+            part = region.get(phase) or {}
+            compute = float(part.get("compute_us") or 0.0)
+            comm = float(part.get("comm_us") or 0.0)
+            priced.append(f"{phase} {_fmt_us(compute + comm)} (comm {_fmt_us(comm)})")
+        lines.append(
+            f"region {region.get('function')} at {region.get('source')}, "
+            f"x{region.get('instances')}: in {inputs} -> out {outputs}; {', '.join(priced)}"
         )
     return lines
 
