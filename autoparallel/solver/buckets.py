@@ -29,13 +29,14 @@ problem's structure (no column, no row), and folding applies.
 
 Known limit: buckets are priced on 1-D and 2-D meshes only. On 2-D meshes they once made
 LLaMA's LP relaxation half-integral around the embedding's gradient; with the overlap
-windows and the price refits in place, LLaMA-3 8B on (8, 8) solves as an integral LP with
-them (``benchmarks/plan_time.py --model llama3-8b --mesh 8x8``), and pricing every
-reduction at its own latency there steered plans away from the data parallelism the
-runtime makes cheap (the tiny MoE on a gloo (2, 2) gathered its activations rather than
-reduce a gradient). On 3-D meshes the relaxation still turns fractional: the tiny LLaMA on
-(2, 2, 2) took 319 s of branch and bound against 24 s, so there every collective keeps its
-own latency (conservative: the runtime coalesces them).
+windows and the price refits in place, LLaMA-3 8B and 70B on (8, 8) plan in 11 and 21 s
+with them (``benchmarks/plan_time.py --model llama3-8b --mesh 8x8``; 7 and 15 s without:
+some relaxations turn fractional and relax and fix runs), and pricing every collective at
+its own latency there steered plans away from the data parallelism and the FSDP the runtime
+makes cheap (the tiny MoE on a gloo (2, 2) gathered its activations rather than reduce a
+gradient, 2.2x slower). On 3-D meshes the relaxation turns fractional for good: the tiny
+LLaMA on (2, 2, 2) took 319 s of branch and bound against 24 s, so there every collective
+keeps its own latency (conservative: the runtime coalesces them).
 
 Such a pair is priced as its direct single step even where the route table found a cheaper
 multi-step route (say reduce-scatter then all-gather instead of an all-reduce): coalescing
