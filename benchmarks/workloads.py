@@ -233,11 +233,12 @@ def predicted_phase_ms(plan: Plan) -> dict[str, float]:
     """The plan's predicted step split as :data:`PHASES` (ms): the forward's nodes (compute
     and communication) and the redistribution of each user output into its tangent's
     placement (priced on the tangent, but the runtime runs it as the output leaves the
-    forward) and the latency of the forward's parameter-gather buckets; the optimizer step;
-    and the backward as the rest of the total (its nodes, the gradient reductions and their
-    buckets, less the communication hidden), the runtime's own work outside its graphs
-    included there."""
+    forward), the latency of the forward's parameter-gather buckets and the forward's share
+    of the runtime's own work outside its graphs; the optimizer step; and the backward as
+    the rest of the total (its nodes, the gradient reductions and their buckets, less the
+    communication hidden, and the rest of the runtime's work)."""
     forward_us = sum(b.latency_us for b in plan.buckets if b.phase == "forward")
+    forward_us += plan.totals.runtime_forward_us
     for node in plan.nodes.values():
         if node.phase == "forward":
             forward_us += node.compute_us + node.comm_us

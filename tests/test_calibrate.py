@@ -79,6 +79,15 @@ def test_the_fit_stays_physical_at_the_ends():
         fit_collective("intra", "all_gather", [CollectiveSample("all_gather", 1, 1024, 5.0)])
 
 
+def test_the_forward_share_of_the_runtimes_work_is_a_fraction():
+    from autoparallel.calibrate.fit import fit_forward_share
+
+    assert fit_forward_share([60.0, 140.0], [100.0, 300.0]) == pytest.approx(0.5)
+    assert fit_forward_share([50.0], [0.0]) == 0.0  # nothing outside the graphs: no split
+    assert fit_forward_share([120.0], [100.0]) == 1.0  # noise never makes it above 1
+    assert fit_forward_share([-30.0], [100.0]) == 0.0
+
+
 def test_a_profile_round_trips_through_json(tmp_path):
     fits = (
         CollectiveFit("intra", "all_reduce", 350.0, 2.5e9, 0.2),
@@ -103,6 +112,10 @@ def test_a_profile_round_trips_through_json(tmp_path):
         (
             lambda d: d["hardware"].update(overlap_fraction=1.5),
             r"hardware\.overlap_fraction must be within \[0, 1\]",
+        ),
+        (
+            lambda d: d["hardware"].update(runtime_forward_share=-0.1),
+            r"hardware\.runtime_forward_share must be within \[0, 1\]",
         ),
     ],
 )
@@ -175,6 +188,8 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     # (measured against priced: a loaded host can time the roofline's probes slower than
     # the step itself, so only that both were taken)
     assert all(s["time_us"] > 0 and s["graphs_us"] > 0 for s in probes)
+    assert all(0 < s["forward_us"] and 0 < s["forward_graphs_us"] < s["graphs_us"] for s in probes)
+    assert 0.0 <= hardware.runtime_forward_share <= 1.0
     # how much of an all-reduce hides behind compute on these ranks: measured, a fraction
     assert 0.0 <= hardware.overlap_fraction <= 1.0
     assert any(sample["what"] == "overlap" for sample in calibration.samples)
@@ -205,6 +220,12 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     assert len(data["hardware"]["collectives"]) == 4
     assert measured.totals.compute_us != pytest.approx(preset.totals.compute_us)
     assert measured.totals.optimizer_us > 0 and preset.totals.optimizer_us == 0
+    # the runtime's own work, and the forward's share of it, as the profile says
+    totals = measured.totals
+    assert totals.runtime_forward_us == pytest.approx(
+        totals.runtime_us * hardware.runtime_forward_share
+    )
+    assert data["totals"]["runtime_forward_us"] == pytest.approx(totals.runtime_forward_us)
     assert measured.priced_on == hardware.name
     priced = 0
     for edge in problem.tables.edges:

@@ -166,6 +166,16 @@ def fit_runtime_overhead(outside_us: dict[int, float]) -> RuntimeFit:
     return RuntimeFit(intercept, slope, error)
 
 
+def fit_forward_share(forward_outside_us: list[float], outside_us: list[float]) -> float:
+    """The part of the runtime's own work that the forward does: the forward's time outside
+    its graphs over the step's, summed over the probe's runs, within [0, 1] (0 when the step
+    spent nothing outside its graphs)."""
+    total = sum(outside_us)
+    if total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, sum(forward_outside_us) / total))
+
+
 # ------------------------------------------------------------------ the op model of a host
 
 

@@ -441,16 +441,23 @@ class ParameterChain(torch.nn.Module):
 
 @dataclass(frozen=True)
 class RuntimeSample:
-    """One forward + backward of the probe's parallel module: measured (slowest rank) and
-    what the cost model charges its traced graphs on the hardware it was planned for."""
+    """One forward + backward of the probe's parallel module, and its forward alone:
+    measured (slowest rank) and what the cost model charges their traced graphs on the
+    hardware it was planned for."""
 
     parameters: int
     measured_us: float
     graphs_us: float
+    forward_us: float = 0.0
+    forward_graphs_us: float = 0.0
 
     @property
     def outside_graphs_us(self) -> float:
         return self.measured_us - self.graphs_us
+
+    @property
+    def forward_outside_graphs_us(self) -> float:
+        return self.forward_us - self.forward_graphs_us
 
 
 def runtime_step(
@@ -481,12 +488,17 @@ def runtime_step(
         for weight in parallel.parameters():
             weight.fill_(1.0)
     graphs_us = sum(n.compute_us for n in plan.nodes.values() if n.phase != "placeholder")
+    forward_graphs_us = sum(n.compute_us for n in plan.nodes.values() if n.phase == "forward")
 
     def step() -> None:
         for weight in parallel.parameters():
             weight.grad = None
         parallel(x).backward()
 
+    def forward() -> None:  # its autograd graph is dropped unused
+        parallel(x)
+
     dist.barrier()
     measured = slowest_rank(_median_us(step, repeats, device), device)
-    return RuntimeSample(parameters, measured, graphs_us)
+    forward_us = slowest_rank(_median_us(forward, repeats, device), device)
+    return RuntimeSample(parameters, measured, graphs_us, forward_us, forward_graphs_us)

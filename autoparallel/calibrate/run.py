@@ -32,6 +32,7 @@ from autoparallel.calibrate import measure
 from autoparallel.calibrate.fit import (
     CollectiveSample,
     fit_collective,
+    fit_forward_share,
     fit_graph_bandwidth,
     fit_op_overhead,
     fit_optimizer_step,
@@ -450,29 +451,38 @@ def _time_runtime(
     a few parameter counts (``measure.runtime_step``), as a line: a fixed part per step and a
     part per trained parameter. Measured on a synchronous host (CPU) only: on a GPU the host
     runs ahead of the kernels and this work hides behind them."""
-    outside = {}
+    outside, forward_outside = {}, {}
     for parameters in settings.runtime_parameters:
         sample = measure.runtime_step(mesh, parameters, hardware, settings.repeats)
         outside[parameters] = sample.outside_graphs_us
+        forward_outside[parameters] = sample.forward_outside_graphs_us
         samples.append(
             {
                 "what": "runtime_step",
                 "parameters": parameters,
                 "time_us": sample.measured_us,
                 "graphs_us": sample.graphs_us,
+                "forward_us": sample.forward_us,
+                "forward_graphs_us": sample.forward_graphs_us,
             }
         )
         say(
             f"[calibrate] parallel module step, {parameters} parameters: {sample.measured_us:.0f} us, "
-            f"of which its graphs are priced {sample.graphs_us:.0f} us"
+            f"of which its graphs are priced {sample.graphs_us:.0f} us; its forward "
+            f"{sample.forward_us:.0f} us, graphs {sample.forward_graphs_us:.0f} us"
         )
     fit = fit_runtime_overhead(outside)
+    share = fit_forward_share(list(forward_outside.values()), list(outside.values()))
     say(
         f"[calibrate] the runtime's own work: {fit.step_us:.0f} us per step + "
-        f"{fit.us_per_parameter:.1f} us per parameter; largest error {100 * fit.max_error:.0f}%"
+        f"{fit.us_per_parameter:.1f} us per parameter ({100 * share:.0f}% of it in the "
+        f"forward); largest error {100 * fit.max_error:.0f}%"
     )
     return dataclasses.replace(
-        hardware, runtime_step_us=fit.step_us, runtime_us_per_parameter=fit.us_per_parameter
+        hardware,
+        runtime_step_us=fit.step_us,
+        runtime_us_per_parameter=fit.us_per_parameter,
+        runtime_forward_share=share,
     )
 
 

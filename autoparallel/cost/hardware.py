@@ -118,6 +118,9 @@ class Hardware:
     # wrapping and accumulating its gradient)
     runtime_step_us: float = 0.0
     runtime_us_per_parameter: float = 0.0
+    # the part of that work done in the forward (unwrapping the parameters, entering the
+    # forward's graph), the rest in the backward: for a report that splits a step by phase
+    runtime_forward_share: float = 0.0
     # how much of a collective hides behind compute that runs at the same time: hiding
     # min(compute, comm) * overlap_fraction of it. 1 would be a device whose collectives
     # never slow its compute; GPUs lose a little to the SMs NCCL's kernels take (0.9);

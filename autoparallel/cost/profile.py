@@ -113,7 +113,7 @@ def _positive(value: Any, where: str) -> float:
     return number
 
 
-_FRACTIONS = frozenset({"overlap_fraction"})  # figures within [0, 1]
+_FRACTIONS = frozenset({"overlap_fraction", "runtime_forward_share"})  # figures within [0, 1]
 
 
 def _fraction(value: Any, where: str) -> float:

@@ -434,6 +434,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "transition_us": _num(totals.transition_us),
             "optimizer_us": _num(totals.optimizer_us),
             "runtime_us": _num(totals.runtime_us),
+            "runtime_forward_us": _num(totals.runtime_forward_us),
             "hidden_comm_us": _num(totals.hidden_comm_us),
             "exposed_comm_us": _num(totals.exposed_comm_us),
             "priced_on": plan.priced_on,
@@ -474,6 +475,7 @@ def hardware_json(topology: Topology) -> dict[str, Any]:
         "memory_bytes": _num(hw.memory_bytes),
         "runtime_step_us": _num(hw.runtime_step_us),
         "runtime_us_per_parameter": _num(hw.runtime_us_per_parameter),
+        "runtime_forward_share": _num(hw.runtime_forward_share),
         "links": {
             "intra": {
                 "latency_us": _num(hw.intra_node_latency_us),

@@ -150,6 +150,7 @@ def build_plan(
             optimizer,
             hidden,
             runtime,
+            runtime * tables.topology.hardware.runtime_forward_share,
         ),
         solver=solution.stats,
         fallbacks=list(space.fallbacks),

@@ -98,7 +98,7 @@ class CostTotals:
     behind compute (see :class:`OverlapCost`), so ``exposed_comm_us`` is what the step waits
     for. ``optimizer_us`` is the optimizer step's part of ``compute_us`` and ``runtime_us``
     the parallel module's own work outside its traced graphs (both 0 where the hardware does
-    not price them: the presets)."""
+    not price them: the presets), ``runtime_forward_us`` the part of it the forward does."""
 
     total_us: float
     comm_us: float
@@ -107,6 +107,7 @@ class CostTotals:
     optimizer_us: float = 0.0
     hidden_comm_us: float = 0.0
     runtime_us: float = 0.0
+    runtime_forward_us: float = 0.0
 
     @property
     def exposed_comm_us(self) -> float:
