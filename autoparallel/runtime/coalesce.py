@@ -33,7 +33,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from autoparallel import _torch_internals as internals
 from autoparallel.runtime import rank_layout
 from autoparallel.runtime.executor import redistribute_along
-from autoparallel.types.bucketing import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, capped_buckets
+from autoparallel.types.bucketing import (
+    BUCKET_CAP_BYTES,
+    FIRST_BUCKET_CAP_BYTES,
+    capped_buckets,
+    ranks_per_tensor_dim,
+)
 
 
 @dataclass(frozen=True)
@@ -119,19 +124,10 @@ def coalescable(value: DTensor, route: tuple, target: tuple, mesh: DeviceMesh) -
             # a tensor dim also sharded by a mesh dim the move keeps: this rank's block of
             # the local tensor is not its shard in the nested layout; left to DTensor
             return None
-    if any(
-        local.shape[dim] % ranks for dim, ranks in _ranks_per_dim(changed, targets, mesh).items()
-    ):
+    splits = ranks_per_tensor_dim(_shards_of(changed, targets, mesh))
+    if any(local.shape[dim] % ranks for dim, ranks in splits.items()):
         return None
     return Reduction(tuple(changed), targets, value.dtype)
-
-
-def _ranks_per_dim(changed: list[int], targets: tuple, mesh: DeviceMesh) -> dict[int, int]:
-    """How many ranks of the move's mesh dims split each tensor dim."""
-    ranks: dict[int, int] = {}
-    for mesh_dim, placement in zip(changed, targets):
-        ranks[placement.dim] = ranks.get(placement.dim, 1) * mesh.size(mesh_dim)
-    return ranks
 
 
 def _shards_of(mesh_dims: Sequence[int], targets: tuple, mesh: DeviceMesh) -> list[tuple[int, int]]:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoparallel import _torch_internals as internals
 from autoparallel.runtime import rank_layout
+from autoparallel.types.bucketing import ranks_per_tensor_dim
 from autoparallel.types.graph import layer_of
 
 
@@ -74,12 +75,11 @@ def plan_gather(
     changed = [dim for dim, (src, dst) in enumerate(zip(source, wanted)) if src != dst]
     if not changed:
         return None
-    ranks: dict[int, int] = {}  # tensor dim -> how many ranks of the move split it
     for mesh_dim in changed:
         src, dst = source[mesh_dim], wanted[mesh_dim]
         if type(src) is not Shard or not isinstance(dst, Replicate) or src.dim >= len(shape):
             return None
-        ranks[src.dim] = ranks.get(src.dim, 1) * mesh_shape[mesh_dim]
+    ranks = ranks_per_tensor_dim((mesh_shape[d], source[d].dim) for d in changed)
     for other, placement in enumerate(source):
         # a tensor dim also sharded by a mesh dim the move keeps: one rank's rows are not
         # contiguous in the wanted layout, so the flat gather would misplace them; left to

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from autoparallel.types.bucketing import ranks_per_tensor_dim
+
 Shards = Sequence[tuple[int, int]]
 
 
@@ -40,11 +42,8 @@ def from_rank_rows(rows: torch.Tensor, local_shape: Sequence[int], shards: Shard
     order = _axis_order(shards, len(local_shape))
     if order != sorted(order):
         pieces = pieces.permute(order)
-    full = [
-        extent * math.prod(size for size, dim in shards if dim == d)
-        for d, extent in enumerate(local_shape)
-    ]
-    return pieces.reshape(full)
+    ranks = ranks_per_tensor_dim(shards)
+    return pieces.reshape([extent * ranks.get(d, 1) for d, extent in enumerate(local_shape)])
 
 
 def to_rank_rows(tensor: torch.Tensor, shards: Shards) -> torch.Tensor:
@@ -64,7 +63,5 @@ def to_rank_rows(tensor: torch.Tensor, shards: Shards) -> torch.Tensor:
 
 def block_shape(shape: Sequence[int], shards: Shards) -> tuple[int, ...]:
     """The shape of one rank's block of a tensor of ``shape``."""
-    return tuple(
-        extent // math.prod(size for size, sharded in shards if sharded == dim)
-        for dim, extent in enumerate(shape)
-    )
+    ranks = ranks_per_tensor_dim(shards)
+    return tuple(extent // ranks.get(dim, 1) for dim, extent in enumerate(shape))

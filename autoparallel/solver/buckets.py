@@ -63,7 +63,7 @@ from autoparallel.cost.collectives import (
 )
 from autoparallel.cost.topology import Topology
 from autoparallel.strategies.rules import evenly_divisible
-from autoparallel.types.bucketing import packing_ops
+from autoparallel.types.bucketing import packing_ops, ranks_per_tensor_dim
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.graph import layer_of
 from autoparallel.types.placements import is_multi, placement_str
@@ -286,9 +286,7 @@ def _coalesced_step(
         sharded, collective, split = src, "all_gather", shape
     if not all(type(sharded[d]) is Shard and sharded[d].dim < len(shape) for d in changed):
         return None
-    ranks: dict[int, int] = {}
-    for d in changed:
-        ranks[sharded[d].dim] = ranks.get(sharded[d].dim, 1) * topology.mesh_shape[d]
+    ranks = ranks_per_tensor_dim((topology.mesh_shape[d], sharded[d].dim) for d in changed)
     kept = [p for d, p in enumerate(sharded) if d not in changed]
     if any(type(p) is Shard and p.dim in ranks for p in kept):
         return None  # nested with a kept mesh dim: the runtime leaves it to DTensor

@@ -4,6 +4,7 @@ solver, which prices it (solver/buckets.py, solver/overlap.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 BUCKET_CAP_BYTES = 25 << 20
@@ -77,3 +78,13 @@ def packing_ops(collective: str, shard_dim: int | None = None) -> PackingOps:
     if collective == "all_gather":
         return PackingOps(views=3 + moved, copies=1)
     raise ValueError(f"the runtime coalesces no {collective!r}")
+
+
+def ranks_per_tensor_dim(shards: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """How many ranks split each tensor dim, given ``(ranks, tensor dim)`` for each mesh dim
+    of a coalesced move (two mesh dims may split one tensor dim: nested shards). The runtime
+    coalesces the move only where these divide the dims evenly, and the solver prices it so."""
+    ranks: dict[int, int] = {}
+    for size, dim in shards:
+        ranks[dim] = ranks.get(dim, 1) * size
+    return ranks
