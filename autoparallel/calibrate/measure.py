@@ -410,7 +410,8 @@ def optimizer_step_us(mesh: DeviceMesh, tensors: int, numel: int, repeats: int) 
     def churn_then_align() -> None:
         # A step's optimizer starts on every rank at once: the backward ends in a gradient
         # reduction that waits for the last rank. Timed unaligned, one rank's step overlapped
-        # another's churn (4 ranks on a 2-core VM: 114 us per tensor against 29 on 2).
+        # another's churn (`autoparallel calibrate --nproc 4` on a 2-core VM: 114 us per
+        # tensor unaligned, 31 aligned).
         churn()
         dist.barrier()
 
