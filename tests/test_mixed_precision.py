@@ -185,3 +185,33 @@ def test_auto_parallel_takes_the_policy_too(fake_mesh):
     }
     assert torch.bfloat16 in gathered
     assert {p.dtype for p in parallel.parameters()} == {torch.float32}
+
+
+def _llama_under_policy(fake_mesh, layers: int):
+    from autoparallel.models import Llama, llama_config
+
+    config = llama_config("tiny", n_layers=layers)
+    with AutoParallel(
+        meta(lambda: Llama(config)),
+        lambda: torch.randint(0, config.vocab_size, (8, 64)),
+        fake_mesh((4,)),
+        POLICY,
+    ) as autop:
+        return autop.joint, autop.sharding_optimizer.problem
+
+
+def test_each_layer_casts_its_own_parameters_and_gradients(fake_mesh):
+    """The policy's casts run where their layer reads the parameter (and where its gradient
+    is computed), not all at the ends of the graph: a layer's bf16 copy is not alive for
+    the whole forward, its gradient can be reduced while the backward goes on, and identical
+    layers fold into the same decision variables however deep the model is."""
+    joint, problem = _llama_under_policy(fake_mesh, layers=4)
+    casts = [n for n in joint.parameter_sources() if n.op == "call_function"]
+    assert len(casts) == len(joint.params)
+    assert all(cast.next in cast.users for cast in casts)
+    for gradient in joint.param_grads.values():
+        computed = gradient.all_input_nodes[0]
+        assert computed.next is gradient, f"{gradient} is not cast where it is computed"
+    _, deeper = _llama_under_policy(fake_mesh, layers=6)
+    assert deeper.folding.num_classes == problem.folding.num_classes
+    assert deeper.num_variables == problem.num_variables

@@ -35,7 +35,11 @@ from autoparallel.trace.layer_stamping import (
     CannotRepeatLayers,
     stamp_verified,
 )
-from autoparallel.trace.mixed_precision import WRAPPED_PREFIX, MixedPrecisionModule
+from autoparallel.trace.mixed_precision import (
+    WRAPPED_PREFIX,
+    MixedPrecisionModule,
+    place_casts_in_their_layers,
+)
 from autoparallel.trace.repeated_layers import (
     LayerIndexRead,
     find_repeated_layers,
@@ -156,6 +160,11 @@ def trace_joint(
                 joint = _trace_layers_once(model, layers, args, kwargs, device, mp_policy)
         if joint is None:
             joint = _trace(model, args, kwargs, device, mp_policy)
+    # after the whole graph exists (stamping copies the traced order), before any stage
+    # reads positions: folding, the layer regions and the runtime's order all want each
+    # layer's casts inside the layer
+    place_casts_in_their_layers(joint)
+    joint.graph_module.recompile()
     joint.tied_params = _tied_parameter_groups(model)
     _attach_regions(joint, scope, mesh)
     return joint

@@ -32,6 +32,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
+from autoparallel.trace.view_ops import passes_gradient_through
+from autoparallel.types.graph import JointGraph
+
 aten = torch.ops.aten
 
 WRAPPED_PREFIX = "module."
@@ -118,3 +121,52 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
 
 
 # ---------------------------------------------------------------------------- planning
+
+
+def place_casts_in_their_layers(joint: JointGraph) -> int:
+    """Move the policy's casts of parameters and of their gradients next to the ops that
+    read or compute them; returns how many nodes moved.
+
+    :class:`MixedPrecisionModule` casts every parameter before the model's forward starts,
+    and autograd runs those casts' backward last (they were recorded first), so the traced
+    graph opens with a cast per parameter of the whole model and ends with a cast per
+    parameter gradient. Run in that order, every layer's ``param_dtype`` copy would be
+    alive from the first op on and every gradient would wait for the end of the backward
+    to be reduced; and the graph would not repeat layer by layer (a layer's ops read casts
+    that sit in the prefix), which keeps the planner from folding identical layers. Placed
+    where they are used, as FSDP2 runs them, each layer's graph holds its own casts. A
+    cast reads one value, so any position after that value and before its first reader
+    computes the same result."""
+    return _sink_parameter_casts(joint) + _hoist_gradient_casts(joint)
+
+
+def _sink_parameter_casts(joint: JointGraph) -> int:
+    """Each parameter's forward cast just before the first op that reads it."""
+    casts = [node for node in joint.parameter_sources() if node.op == "call_function"]
+    position = {node: index for index, node in enumerate(joint.graph.nodes)}
+    moved = 0
+    for cast in casts:
+        if not cast.users:
+            continue
+        first_reader = min(cast.users, key=position.__getitem__)
+        if cast.next is not first_reader:
+            first_reader.prepend(cast)
+            moved += 1
+    return moved
+
+
+def _hoist_gradient_casts(joint: JointGraph) -> int:
+    """Each parameter gradient's chain of casts and views just after the op computing it."""
+    moved = 0
+    for gradient in joint.param_grads.values():
+        chain = []
+        node = gradient
+        while passes_gradient_through(node) and len(node.all_input_nodes) == 1:
+            chain.append(node)
+            node = node.all_input_nodes[0]
+        for link in reversed(chain):  # from the computing op outwards
+            computed = link.all_input_nodes[0]
+            if computed.next is not link:
+                computed.append(link)
+                moved += 1
+    return moved
