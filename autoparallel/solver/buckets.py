@@ -88,10 +88,11 @@ def add_buckets(problem: Problem) -> None:
     )  # key -> (edge, pair, saving)
     latencies: dict[tuple, float] = {}
     param_names = problem.joint.parameter_sources()
+    moves: dict[tuple, _Move | None] = {}  # this call's memo: repeated layers repeat moves
     for index, edge in enumerate(problem.tables.edges):
         if problem.edge_encoding(index) != "pairs":
             continue
-        for key, pair, saving, latency in _coalesced_pairs(problem, index, edge, param_names):
+        for key, pair, saving, latency in _coalesced_pairs(problem, edge, param_names, moves):
             found[key].append((index, pair, saving))
             latencies[key] = latency
     objective = problem.objective.copy()
@@ -159,11 +160,27 @@ def share_by_use(problem: Problem, in_use: list[int]) -> bool:
     return changed
 
 
+@dataclasses.dataclass(frozen=True)
+class _Move:
+    """A placement move the runtime coalesces, priced for one tensor: the collective, its
+    mesh dims, the latency a bucket shares, and the move's time as a bucket member."""
+
+    mesh_dims: tuple[int, ...]
+    collective: str
+    latency_us: float
+    bucketed_us: float
+    target: str
+
+
 def _coalesced_pairs(
-    problem: Problem, index: int, edge: EdgeCost, param_names: dict[fx.Node, str]
+    problem: Problem,
+    edge: EdgeCost,
+    param_names: dict[fx.Node, str],
+    moves: dict[tuple, _Move | None],
 ) -> Iterator[tuple[tuple, int, float, float]]:
     """(bucket key, pair index, saving, the collective's latency) of each pair of ``edge``
-    that the runtime coalesces and that is cheaper without its latency than as priced."""
+    that the runtime coalesces and that is cheaper without its latency than as priced.
+    ``moves`` memoizes :func:`_coalesced_move` over the edges of one call."""
     joint, topology = problem.joint, problem.tables.topology
     if len(topology.mesh_shape) > MAX_BUCKET_MESH_DIMS:  # see the module docstring
         return
@@ -177,34 +194,49 @@ def _coalesced_pairs(
     if value is None or not hasattr(value, "shape"):
         return
     shape, dtype = tuple(value.shape), value.dtype
+    dtype_name = str(dtype).removeprefix("torch.")
     for k, (i, j, comm, _) in enumerate(edge.pairs):
         src, dst = edge.src_options[i], edge.dst_options[j]
-        step = _coalesced_step(kind, src, dst, shape, topology)
-        if step is None:
+        memo = (kind, src, dst, shape, dtype)
+        if memo not in moves:
+            moves[memo] = _coalesced_move(kind, src, dst, shape, value.element_size(), topology)
+        move = moves[memo]
+        if move is None:
             continue
-        mesh_dims, collective = step
-        latency = sum(ring_latency_us(d, topology, collective) for d in mesh_dims)
-        local_bytes = math.prod(local_shape(shape, src, topology.mesh_shape)) * value.element_size()
-        direct = _steps_us(collective, mesh_dims, local_bytes, topology)
-        bucketed = direct - latency + pack_us(edge, src, dst, step, topology)
-        if not math.isfinite(comm) or not bucketed < comm - 1e-9:  # impossible, or no gain
+        if not math.isfinite(comm) or not move.bucketed_us < comm - 1e-9:  # no gain
             continue
-        target = placement_str(tuple(dst[d] for d in mesh_dims))
-        dtype_name = str(dtype).removeprefix("torch.")
+        mesh_dims, collective = move.mesh_dims, move.collective
         over = (
             f"mesh dim {mesh_dims[0]}"
             if len(mesh_dims) == 1
             else "mesh dims " + ", ".join(map(str, mesh_dims))
         )
         if kind == "gradient_reduction":
-            description = f"{collective} over {over} to {target}, {dtype_name}"
-            key = (kind, description, mesh_dims, target, dtype_name)
+            description = f"{collective} over {over} to {move.target}, {dtype_name}"
+            key = (kind, description, mesh_dims, move.target, dtype_name)
         else:
             phase = "forward" if edge.consumer in joint.forward_nodes else "backward"
             layer = layer_of(param_names[edge.producer])
             description = f"{collective} over {over}, {dtype_name}, per layer, {phase}"
             key = (kind, description, mesh_dims, dtype_name, phase, layer)
-        yield key, k, comm - bucketed, latency
+        yield key, k, comm - move.bucketed_us, move.latency_us
+
+
+def _coalesced_move(
+    kind: str, src: tuple, dst: tuple, shape: tuple, element_size: int, topology: Topology
+) -> _Move | None:
+    """``src -> dst`` of a tensor of ``shape`` priced as a bucket member, or None when the
+    runtime does not coalesce that move."""
+    step = _coalesced_step(kind, src, dst, shape, topology)
+    if step is None:
+        return None
+    mesh_dims, collective = step
+    latency = sum(ring_latency_us(d, topology, collective) for d in mesh_dims)
+    local_bytes = math.prod(local_shape(shape, src, topology.mesh_shape)) * element_size
+    direct = _steps_us(collective, mesh_dims, local_bytes, topology)
+    packing = pack_us(shape, element_size, src, dst, step, topology)
+    target = placement_str(tuple(dst[d] for d in mesh_dims))
+    return _Move(mesh_dims, collective, latency, direct - latency + packing, target)
 
 
 def _steps_us(
@@ -227,28 +259,28 @@ def _steps_us(
 
 
 def pack_us(
-    edge: EdgeCost,
-    src: object,
-    dst: object,
+    shape: tuple,
+    element_size: int,
+    src: tuple,
+    dst: tuple,
     step: tuple[tuple[int, ...], str],
     topology: Topology,
 ) -> float:
-    """The host's work for one member of a bucket, on a synchronous host (CPU) only: its
-    local bytes copied into the bucket's flat buffer, and the ops the runtime runs to pack
-    and unpack it (``types.bucketing.packing_ops``: views at the host's dispatch cost,
-    copies of the member's bytes at memory bandwidth). On a GPU these are kernels the host
-    does not wait for (0 here: pricing the copy there turned the seed's DDP plan into a tie
-    that FSDP won by 1 %)."""
+    """The host's work for one member of a bucket (a tensor of ``shape``), on a synchronous
+    host (CPU) only: its local bytes copied into the bucket's flat buffer, and the ops the
+    runtime runs to pack and unpack it (``types.bucketing.packing_ops``: views at the
+    host's dispatch cost, copies of the member's bytes at memory bandwidth). On a GPU these
+    are kernels the host does not wait for (0 here: pricing the copy there turned the
+    seed's DDP plan into a tie that FSDP won by 1 %)."""
     hardware = topology.hardware
     if not hardware.synchronous_ops:
         return 0.0
     mesh_dims, collective = step
-    value = edge.producer.meta["val"]
-    shape, mesh_shape = tuple(value.shape), topology.mesh_shape
-    local_bytes = math.prod(local_shape(shape, src, mesh_shape)) * value.element_size()
+    mesh_shape = topology.mesh_shape
+    local_bytes = math.prod(local_shape(shape, src, mesh_shape)) * element_size
     sharded = dst if collective == "reduce_scatter" else src
     ops = packing_ops(collective, getattr(sharded[mesh_dims[0]], "dim", None))
-    copied = math.prod(local_shape(shape, dst, mesh_shape)) * value.element_size()
+    copied = math.prod(local_shape(shape, dst, mesh_shape)) * element_size
     copy_bytes = 2 * local_bytes + ops.copies * 2 * copied
     return (
         copy_bytes / hardware.memory_bandwidth * 1e6

@@ -134,14 +134,21 @@ def memory_constraint_of(
     columns, rows, saving = None, [], _NO_TERM
     if model.recompute:
         columns, rows, saving = recompute_columns(problem, model.recompute, every_layer)
-    seen: set[tuple[bytes, bytes]] = set()
     moves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # edge -> its (columns, bytes)
-    for parts, recomputed in _moments(model):
-        row = _row(problem, parts, budget, moves, saving if recomputed else _NO_TERM)
-        key = (row.columns.tobytes(), row.values.tobytes())
-        if key not in seen:
-            seen.add(key)
-            rows.append(row)
+    bases, moments = _moments(model)
+    base_rows: dict[str, Row] = {}
+    seen: set[tuple[str, bytes, bytes]] = set()
+    for base, extra, recomputed in moments:
+        # the moments of folded layers differ in their gathers only, and often not even
+        # there: compare those small rows before building the whole one
+        added = _row(problem, extra, budget, moves, saving if recomputed else _NO_TERM)
+        key = (base, added.columns.tobytes(), added.values.tobytes())
+        if key in seen:
+            continue
+        seen.add(key)
+        if base not in base_rows:
+            base_rows[base] = _row(problem, bases[base], budget, moves)
+        rows.append(_sum_of(base_rows[base], added))
     smallest = smallest_peak(model)
     description = (
         f"peak memory per device <= {_gib(budget)} with {model.optimizer.name}"
@@ -171,18 +178,23 @@ def smallest_peak(model: MemoryModel) -> float:
     return max(backward, step)
 
 
-def _moments(model: MemoryModel) -> list[tuple[list[NodeBytes | MoveBytes], bool]]:
-    """The terms of each moment that can be the peak (see MemoryModel), each with whether
-    the recomputed layers' inner activations come off it (the backward start)."""
+def _moments(
+    model: MemoryModel,
+) -> tuple[dict[str, list[NodeBytes | MoveBytes]], list[tuple[str, list, bool]]]:
+    """The moments that can be the peak (see MemoryModel): the terms every moment of a kind
+    shares (``"step"``, ``"backward"``), and each moment as (its kind, its own terms,
+    whether the recomputed layers' inner activations come off it: the backward start)."""
     resident = list(model.parameters + model.optimizer_state)
-    step = resident + list(model.gradients + model.step_temporaries)
-    backward = resident + list(model.activations) + list(model.saved_gathers)
-    moments = [(step, False)]
+    bases = {
+        "step": resident + list(model.gradients + model.step_temporaries),
+        "backward": resident + list(model.activations) + list(model.saved_gathers),
+    }
+    moments: list[tuple[str, list, bool]] = [("step", [], False)]
     for gathers in _alive_gathers(model):
-        moments.append((backward + list(gathers), True))
+        moments.append(("backward", list(gathers), True))
         for parts in recompute_moment_parts(model.recompute):
-            moments.append((backward + list(gathers) + parts, False))
-    return moments
+            moments.append(("backward", list(gathers) + parts, False))
+    return bases, moments
 
 
 def _alive_gathers(model: MemoryModel) -> list[tuple[MoveBytes, ...]]:
@@ -217,6 +229,21 @@ def _row(
     merged = row.merged()
     keep = merged.values != 0.0
     return Row(merged.columns[keep], merged.values[keep], -np.inf, budget / MIB, budget=True)
+
+
+def _sum_of(base: Row, added: Row) -> Row:
+    """The budget row of ``base``'s terms plus ``added``'s (both rows of :func:`_row`)."""
+    if not len(added.columns):
+        return base
+    row = Row(
+        np.concatenate([base.columns, added.columns]),
+        np.concatenate([base.values, added.values]),
+        -np.inf,
+        base.upper,
+    )
+    merged = row.merged()
+    keep = merged.values != 0.0
+    return Row(merged.columns[keep], merged.values[keep], -np.inf, base.upper, budget=True)
 
 
 def _move_bytes(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray]:

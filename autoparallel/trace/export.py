@@ -163,8 +163,8 @@ def trace_joint(
     # after the whole graph exists (stamping copies the traced order), before any stage
     # reads positions: folding, the layer regions and the runtime's order all want each
     # layer's casts inside the layer
+    # (no recompile: later stages read the nodes, and the runtime builds graphs of its own)
     place_casts_in_their_layers(joint)
-    joint.graph_module.recompile()
     joint.tied_params = _tied_parameter_groups(model)
     _attach_regions(joint, scope, mesh)
     return joint

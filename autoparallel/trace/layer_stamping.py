@@ -276,7 +276,7 @@ class _Stamper:
                         node, template_layer, layer
                     )
         self._emit_output(self.template.output_node())
-        return fx.GraphModule(self.template_module, self.graph)
+        return internals.unrun_graph_module(self.template_module, self.graph)
 
     def _group_of(self, node: fx.Node) -> tuple[str, int] | None:
         label = self.labels.get(node)
