@@ -372,6 +372,13 @@ def _fix_in_turn(
             plan = _Candidate(objective, np.asarray(highs.getSolution().col_value))
             best = plan if best is None or plan.objective < best.objective else best
         highs.changeColsBounds(count, fixed, np.zeros(count), np.ones(count))
+        logger.debug(
+            "relax and fix at %.2f: %d columns fixed, %s, %s",
+            threshold,
+            count,
+            status,
+            "no plan" if plan is None else f"{100 * plan.gap(bound):.3f}% above the bound",
+        )
         if plan is not None and status.lower() == "optimal" and plan.gap(bound) <= options.fix_gap:
             logger.info(
                 "relax and fix (columns above %.2f fixed): %.3f%% above the relaxation's bound",
