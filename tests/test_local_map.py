@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoparallel import AutoParallel, LocalMapError, collectives, local_map
+from autoparallel.cost.regions import region_cost_parts_us
 from autoparallel.models.moe import MOE_TINY, MoETransformer
 from autoparallel.types.placements import placement_str
 
@@ -44,6 +45,19 @@ def test_moe_experts_are_split_over_ep_and_their_gradients_reduced_over_dp(fake_
     assert [c.kind for c in profile.backward_collectives] == ["all_to_all"] * 5
     assert {c.mesh_dim for c in profile.forward_collectives} == {1}
     assert any("grouped_mm" in str(op.op) or "mm" in str(op.op) for op in profile.forward_ops)
+    # the plan counts those all-to-alls as communication, not as the region's compute
+    for node, backward_op in ((forward, False), (backward, True)):
+        compute, comm = region_cost_parts_us(region, backward_op, autop.topology)
+        assert comm > 0 and node.collectives_us == pytest.approx(comm)
+        assert node.compute_us == pytest.approx(compute)
+        assert node.comm_us >= comm
+    calls = [n for n in plan.nodes.values() if "local_map" in n.target]
+    assert len(calls) == 2 * MOE_TINY.n_layers
+    own = sum(n.collectives_us for n in plan.nodes.values())
+    assert own == pytest.approx(
+        MOE_TINY.n_layers * (forward.collectives_us + backward.collectives_us)
+    )
+    assert plan.totals.comm_us >= own
 
 
 def test_without_an_ep_dim_the_experts_are_the_planners(fake_mesh):

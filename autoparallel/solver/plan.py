@@ -7,6 +7,11 @@ compared.
 
 from __future__ import annotations
 
+import torch.fx as fx
+
+from autoparallel.cost.regions import region_cost_parts_us
+from autoparallel.cost.topology import Topology
+from autoparallel.regions.local_map import region_backward_op
 from autoparallel.solver.memory import estimate_memory, memory_model
 from autoparallel.solver.overlap import window_times
 from autoparallel.solver.recompute import recompute_counts
@@ -46,6 +51,16 @@ def _route(
     return tuple(edge.routes.pricer.route(src, dst)[1:-1])
 
 
+def _region_collectives_us(node: fx.Node, topology: Topology) -> float:
+    """The collectives a ``local_map`` region's op issues itself, which its priced compute
+    includes (cost/regions.py); 0 for any other node."""
+    region = node.meta.get("local_map_region")
+    if region is None:
+        return 0.0
+    _, collectives = region_cost_parts_us(region, node.target is region_backward_op, topology)
+    return collectives
+
+
 def build_plan(
     problem: Problem, solution: Solution, mesh_dim_names: tuple[str, ...] | None
 ) -> Plan:
@@ -59,13 +74,16 @@ def build_plan(
             if node.op == "placeholder"
             else ("forward" if node in joint.forward_nodes else "backward")
         )
+        priced_us = tables.compute_us[node][choice[node]]
+        collectives = _region_collectives_us(node, tables.topology)
         nodes[node.name] = NodePlan(
             name=node.name,
             target=str(node.target) if node.op != "placeholder" else joint.placeholder_role(node),
             shape=tuple(value.shape) if hasattr(value, "shape") else None,
             phase=phase,
             strategy=ns.strategies[choice[node]],
-            compute_us=tables.compute_us[node][choice[node]],
+            compute_us=priced_us - collectives,
+            collectives_us=collectives,
         )
     bucket_of = {(m.edge, m.pair): (b, m) for b in problem.buckets for m in b.members}
     bucket_edges = {edge for edge, _ in bucket_of}  # the pair is looked up on these only

@@ -80,10 +80,12 @@ class NodePlan:
     strategy: Strategy
     compute_us: float
     arguments: list[ArgumentCost] = field(default_factory=list)
+    collectives_us: float = 0.0  # the node's own collectives: a local_map region's body's
 
     @property
     def comm_us(self) -> float:
-        return sum(a.comm_us for a in self.arguments)
+        """The redistributions into the node and the collectives it issues itself."""
+        return sum(a.comm_us for a in self.arguments) + self.collectives_us
 
     @property
     def transition_us(self) -> float:
