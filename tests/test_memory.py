@@ -77,6 +77,20 @@ def test_a_budget_below_the_free_plans_peak_shards_until_it_fits(fake_mesh):
     assert "memory" in autop.sharding_optimizer.constraints()
 
 
+def test_a_tighter_budget_never_gives_a_larger_peak(fake_mesh):
+    mesh = fake_mesh((4,))
+    _, free = _mlp(mesh)
+    peaks, times = [], []
+    for share in (0.9, 0.6, 0.4):
+        budget = share * free.memory.peak
+        _, fitted = _mlp(mesh, budget=budget)
+        assert fitted.memory.peak <= budget
+        peaks.append(fitted.memory.peak)
+        times.append(fitted.solver.objective)
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < free.memory.peak
+    assert times == sorted(times)  # fitting in less memory never makes the step faster
+
+
 def test_an_impossible_budget_names_the_smallest_peak(fake_mesh):
     with pytest.raises(InfeasibleConstraintsError, match="smallest peak any plan can reach"):
         _mlp(fake_mesh((4,)), budget=1e5)
