@@ -105,6 +105,32 @@ def test_a_binding_memory_budget_is_met_near_the_exact_optimum(fake_mesh, priced
     assert estimate_memory(problem, fixed.choice).peak <= budget * (1 + 1e-9)
 
 
+def test_a_polishing_branch_and_bound_stops_at_its_limit_with_the_plan_in_hand(fake_mesh):
+    """With no relax-and-fix plan accepted (fix_gap 0), the full MIP only polishes the plan
+    found before it, for at most polish_time_s: stopped at once, the plan is still within
+    the budget and says how far from the bound it is."""
+    autop = _autop(fake_mesh((4,)))
+    optimizer = autop.sharding_optimizer
+    optimizer.remove_constraints(["parameter_memory"])
+    budget = 0.7 * optimizer.resolve().memory.peak
+    optimizer.add_memory_constraint(budget)
+    problem = optimizer.problem
+    options = SolverOptions(
+        lp_first_min_variables=0, priced_search=False, fix_gap=0.0, polish_time_s=0.0
+    )
+    outcome = _run(problem, list(problem.user_constraints), options)
+    assert outcome.method == "mip" and outcome.polish_s == 0.0
+    # HiGHS was told to stop at once (its limit counts all its runs so far), not at 300 s
+    limit = outcome.highs.getOptionValue("time_limit")[1]
+    assert limit < outcome.highs.getRunTime() + 1.0 < options.time_limit_s
+    polished = solve(problem, options)
+    assert estimate_memory(problem, polished.choice).peak <= budget * (1 + 1e-9)
+    assert polished.stats.bound <= polished.stats.objective
+    assert polished.stats.gap == pytest.approx(
+        (polished.stats.objective - polished.stats.bound) / polished.stats.objective, abs=1e-6
+    )
+
+
 def test_a_solve_from_an_earlier_basis_reaches_the_same_optimum(fake_mesh):
     """ShardingOptimizer.resolve's refits start from the last relaxation's basis: at other
     prices the optimum is the cold solve's, and at the same prices it is the same plan."""

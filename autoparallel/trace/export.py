@@ -160,10 +160,10 @@ def trace_joint(
                 joint = _trace_layers_once(model, layers, args, kwargs, device, mp_policy)
         if joint is None:
             joint = _trace(model, args, kwargs, device, mp_policy)
-    # after the whole graph exists (stamping copies the traced order), before any stage
+    # After the whole graph exists (stamping copies the traced order) and before any stage
     # reads positions: folding, the layer regions and the runtime's order all want each
-    # layer's casts inside the layer
-    # (no recompile: later stages read the nodes, and the runtime builds graphs of its own)
+    # layer's casts inside the layer. No recompile: later stages read the nodes, and the
+    # runtime builds graphs of its own.
     place_casts_in_their_layers(joint)
     joint.tied_params = _tied_parameter_groups(model)
     _attach_regions(joint, scope, mesh)
