@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import resource
 import time
@@ -162,7 +163,15 @@ def main() -> None:
         action="store_true",
         help="bf16 parameters and compute, fp32 gradient reductions (MixedPrecisionPolicy)",
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="log the planner's steps (each LP, price search and refit, with its time) to stderr",
+    )
     args = parser.parse_args()
+    if args.verbose:
+        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)8.0f ms %(message)s")
+        logging.getLogger("autoparallel").setLevel(logging.DEBUG)
 
     shape = tuple(int(s) for s in args.mesh.split("x"))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
