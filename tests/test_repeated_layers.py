@@ -147,7 +147,10 @@ def test_hugging_face_layers_numbered_by_layer_idx_are_traced_once(caplog):
     from autoparallel.models.hf import hf_llama
 
     model = hf_llama(num_hidden_layers=6)
-    assert find_repeated_layers(model).index_attributes == ("self_attn.layer_idx",)
+    with caplog.at_level(logging.INFO, logger="autoparallel.trace.repeated_layers"):
+        repeated = find_repeated_layers(model)
+    assert repeated is not None, caplog.text
+    assert repeated.index_attributes == ("self_attn.layer_idx",)
     once, full = _both_traces(model, lambda: torch.randint(0, 256, (2, 16)), caplog)
     assert once.layers_traced_once is not None
     assert first_difference(once.graph, full.graph) is None
