@@ -222,3 +222,22 @@ def test_equal_partials_count_as_equal_settings_and_different_ones_do_not():
         _PartialActivation("none" if i == 2 else "tanh") for i in range(6)
     )
     assert find_repeated_layers(different) is None
+
+
+class _HelperModuleLayer(nn.Module):
+    """Keeps a helper module in a plain dict, as Hugging Face's hub kernels do
+    (``self_attn._kernel_funcs``), so it is not one of the layer's submodules."""
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.helpers = {"norm": nn.LayerNorm(4, eps=eps, elementwise_affine=False)}
+
+
+def test_helper_modules_outside_the_submodules_are_compared_as_layers_are():
+    same = nn.Module()
+    same.layers = nn.ModuleList(_HelperModuleLayer() for _ in range(6))
+    assert find_repeated_layers(same).count == 6
+    different = nn.Module()
+    different.layers = nn.ModuleList(_HelperModuleLayer(1e-3 if i == 4 else 1e-6) for i in range(6))
+    assert find_repeated_layers(different) is None
