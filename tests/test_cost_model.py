@@ -14,6 +14,7 @@ from autoparallel.cost import (
     all_reduce_us,
     all_to_all_us,
     compute_cost_us,
+    copy_cost_us,
     direct_redistribution_cost_us,
     redistribution_cost_us,
     redistribution_route,
@@ -157,12 +158,34 @@ def test_shard_to_replicate_is_an_all_gather_of_the_full_tensor() -> None:
     assert redistribution_cost_us(t, (P,), (R,), topo) == pytest.approx(
         all_reduce_us(t.nbytes, 0, topo)
     )
+    # Off dim 0, the collective's rows are re-laid out by a copy of its buffers.
+    hw = topo.hardware
     assert redistribution_cost_us(t, (P,), (Shard(1),), topo) == pytest.approx(
-        reduce_scatter_us(t.nbytes, 0, topo)
+        reduce_scatter_us(t.nbytes, 0, topo) + copy_cost_us(2 * t.nbytes, hw)
     )
     per_rank = t.nbytes / 8
     assert redistribution_cost_us(t, (Shard(0),), (Shard(1),), topo) == pytest.approx(
-        all_to_all_us(per_rank, 0, topo)
+        all_to_all_us(per_rank, 0, topo) + copy_cost_us(4 * per_rank, hw)
+    )
+
+
+@pytest.mark.parametrize("hardware", [H100, CPU], ids=["h100", "cpu"])
+def test_a_gather_off_dim_0_pays_the_copy_that_lays_its_rows_out(hardware) -> None:
+    """An all-gather from Shard(1) re-concatenates the gathered rows along dim 1: one copy
+    of the full tensor, unless every dim before dim 1 has size 1 (then it is a view)."""
+    topo = Topology((4,), hardware=hardware)
+    rows = info(64, 4096)
+    gather = all_gather_us(rows.nbytes, 0, topo)
+    assert redistribution_cost_us(rows, (Shard(0),), (R,), topo) == pytest.approx(gather)
+    assert redistribution_cost_us(rows, (Shard(1),), (R,), topo) == pytest.approx(
+        gather + copy_cost_us(2 * rows.nbytes, hardware)
+    )
+    assert copy_cost_us(2 * rows.nbytes, hardware) > 0
+    one_row = info(1, 64 * 4096)
+    assert redistribution_cost_us(one_row, (Shard(1),), (R,), topo) == pytest.approx(gather)
+    # The same on the direct model (placements outside the route states).
+    assert direct_redistribution_cost_us(rows, (Shard(1),), (R,), topo) == pytest.approx(
+        gather + copy_cost_us(2 * rows.nbytes, hardware)
     )
 
 
@@ -230,22 +253,26 @@ def test_other_reduce_ops_reduce_like_sum() -> None:
 
 
 def test_two_dim_mesh_cost_is_sum_of_steps_by_hand() -> None:
-    # (S(0), S(1)) -> (R, R) on a (2, 4) mesh: both dims all-gather. Local tensor starts
-    # at (512, 256); the first all-gather (mesh dim 0, lowest first) grows it to
-    # (1024, 256), the second to the full (1024, 1024).
+    # (S(0), S(1)) -> (R, R) on a (2, 4) mesh: both dims all-gather, in the cheaper order.
+    # The local tensor starts at (512, 256). Mesh dim 0 first grows it to (1024, 256),
+    # then dim 1 to (1024, 1024), re-laying the rows of tensor dim 1 out with a copy of
+    # the whole; dim 1 first copies the half (512, 1024) instead.
     topo = Topology((2, 4), gpus_per_node=4)  # dim 0 inter-node, dim 1 intra
     t = info(1024, 1024)
     itemsize = 2
     hw = topo.hardware
-    step0 = (
-        1 * hw.inter_node_latency_us + 0.5 * (1024 * 256 * itemsize) / hw.inter_node_bandwidth * 1e6
-    )
-    step1 = (
-        3 * hw.intra_node_latency_us
-        + 0.75 * (1024 * 1024 * itemsize) / hw.intra_node_bandwidth * 1e6
-    )
+
+    def inter(nbytes: float) -> float:
+        return 1 * hw.inter_node_latency_us + 0.5 * nbytes / hw.inter_node_bandwidth * 1e6
+
+    def intra(nbytes: float) -> float:
+        return 3 * hw.intra_node_latency_us + 0.75 * nbytes / hw.intra_node_bandwidth * 1e6
+
+    full, half = 1024 * 1024 * itemsize, 512 * 1024 * itemsize
+    dim_0_first = inter(half / 2) + intra(full) + copy_cost_us(2 * full, hw)
+    dim_1_first = intra(half) + copy_cost_us(2 * half, hw) + inter(full)
     got = redistribution_cost_us(t, (Shard(0), Shard(1)), (R, R), topo)
-    assert got == pytest.approx(step0 + step1)
+    assert got == pytest.approx(min(dim_0_first, dim_1_first))
 
 
 def test_shrinking_steps_run_before_collectives() -> None:

@@ -6,7 +6,13 @@ from autoparallel.cost.collectives import (
     all_to_all_us,
     reduce_scatter_us,
 )
-from autoparallel.cost.compute import bytes_moved, compute_cost_us, flop_count, is_free_op
+from autoparallel.cost.compute import (
+    bytes_moved,
+    compute_cost_us,
+    copy_cost_us,
+    flop_count,
+    is_free_op,
+)
 from autoparallel.cost.redistribution import (
     TRANSITION_COST_US,
     PairPricer,
@@ -24,6 +30,7 @@ __all__ = [
     "all_to_all_us",
     "bytes_moved",
     "compute_cost_us",
+    "copy_cost_us",
     "direct_redistribution_cost_us",
     "flop_count",
     "is_free_op",

@@ -30,7 +30,14 @@ from autoparallel.cost.hardware import Hardware
 from autoparallel.trace.view_ops import is_view_op as is_free_op
 from autoparallel.types.tensors import TensorInfo
 
-__all__ = ["bytes_moved", "compute_cost_us", "flop_count", "is_free_op", "matmul_min_dim"]
+__all__ = [
+    "bytes_moved",
+    "compute_cost_us",
+    "copy_cost_us",
+    "flop_count",
+    "is_free_op",
+    "matmul_min_dim",
+]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +152,17 @@ def matmul_min_dim(op: Any, args: tuple) -> int | None:
     if len(first.shape) < 2 or len(second.shape) < 2:
         return None
     return min(first.shape[-2], first.shape[-1], second.shape[-1])
+
+
+def copy_cost_us(nbytes: float, hardware: Hardware) -> float:
+    """Time (us) of one copy op reading and writing ``nbytes`` in all (0 for none), priced
+    as :func:`compute_cost_us` prices a memory-bound op."""
+    if nbytes <= 0:
+        return 0.0
+    roofline_us = nbytes / hardware.memory_bandwidth * _US_PER_S
+    if hardware.synchronous_ops:
+        return hardware.kernel_launch_us + roofline_us
+    return max(roofline_us, hardware.kernel_launch_us)
 
 
 def compute_cost_us(

@@ -14,6 +14,13 @@ S -> R         all-gather          local buffer after the step
 * -> P         impossible          ``math.inf`` (S -> P, P(op1) -> P(op2))
 =============  ==================  =================================
 
+A step on a tensor dim other than 0 also pays the copy that torch's functional collectives
+add around it, since collectives move rows of dim 0 (``layout_copy_bytes``): an all-gather
+from ``Shard(d)`` re-concatenates the gathered rows along ``d`` (a view instead when every
+dim before ``d`` has size 1), a reduce-scatter to ``Shard(d)`` first concatenates the ranks'
+blocks of ``d`` along dim 0, and an all-to-all permutes its input and output. The copy is
+priced as an op moving those bytes (``cost.compute.copy_cost_us``).
+
 A redistribution is priced as the cheapest *route* of steps (:mod:`autoparallel.cost.routes`),
 which may pass through placements that are neither the source nor the target: e.g. a Partial
 over a slow mesh dim is cheaper to all-reduce after slicing it over a fast dim, and gather
@@ -43,6 +50,7 @@ from autoparallel.cost.collectives import (
     all_to_all_us,
     reduce_scatter_us,
 )
+from autoparallel.cost.compute import copy_cost_us
 from autoparallel.cost.hardware import COLLECTIVES
 from autoparallel.cost.routes import MAX_ROUTE_STATES, RouteTable
 from autoparallel.cost.topology import Topology
@@ -56,6 +64,7 @@ except ImportError:  # pragma: no cover - depends on the torch version
 
 __all__ = [
     "TRANSITION_COST_US",
+    "layout_copy_bytes",
     "PairPricer",
     "direct_redistribution_cost_us",
     "redistribution_cost_us",
@@ -122,18 +131,63 @@ def _validate(src: Sequence[Placement], dst: Sequence[Placement], topology: Topo
         )
 
 
+def layout_copy_bytes(
+    kind: str,
+    src_dim: int | None,
+    dst_dim: int | None,
+    before_shape: Sequence[int],
+    before_nbytes: float,
+    after_nbytes: float,
+) -> float:
+    """Bytes read plus written by the copy that surrounds one step's collective when it
+    works on a tensor dim other than 0 (0 when it needs none).
+
+    ``src_dim``/``dst_dim`` are the tensor dims sharded on the step's mesh dim before and
+    after it (None: not a shard), ``before_shape`` the local shape before it. Collectives
+    move rows of dim 0, so (as ``torch.distributed._functional_collectives`` runs them):
+    an all-gather from ``Shard(d)``, ``d > 0``, re-concatenates the gathered rows along
+    ``d``, a view when every dim before ``d`` has size 1; a reduce-scatter to ``Shard(d)``,
+    ``d > 0``, concatenates the ranks' blocks along dim 0 first; an all-to-all between dims
+    permutes its input and its output.
+    """
+    if kind == "all_gather" and src_dim:
+        return 2 * after_nbytes if any(size != 1 for size in before_shape[:src_dim]) else 0.0
+    if kind == "reduce_scatter" and dst_dim:
+        return 2 * before_nbytes
+    if kind == "all_to_all" and (src_dim or dst_dim):
+        return 2 * (before_nbytes + after_nbytes)
+    return 0.0
+
+
+def _shard_dim(placement: Placement) -> int | None:
+    return placement.dim if _is_shard(placement) else None
+
+
 def _step_cost_us(
-    kind: str, before: TensorInfo, after: TensorInfo, mesh_dim: int, topology: Topology
+    kind: str,
+    before: TensorInfo,
+    after: TensorInfo,
+    src: Placement,
+    dst: Placement,
+    mesh_dim: int,
+    topology: Topology,
 ) -> float:
     if kind == "reduce_scatter":
-        return reduce_scatter_us(before.nbytes, mesh_dim, topology)
-    if kind == "all_to_all":
-        return all_to_all_us(before.nbytes, mesh_dim, topology)
-    if kind == "all_reduce":
-        return all_reduce_us(before.nbytes, mesh_dim, topology)
-    if kind == "all_gather":
-        return all_gather_us(after.nbytes, mesh_dim, topology)
-    return 0.0  # local slice / zero-fill
+        comm = reduce_scatter_us(before.nbytes, mesh_dim, topology)
+    elif kind == "all_to_all":
+        comm = all_to_all_us(before.nbytes, mesh_dim, topology)
+    elif kind == "all_reduce":
+        comm = all_reduce_us(before.nbytes, mesh_dim, topology)
+    elif kind == "all_gather":
+        comm = all_gather_us(after.nbytes, mesh_dim, topology)
+    else:
+        return 0.0  # local slice / zero-fill
+    if topology.mesh_shape[mesh_dim] == 1:
+        return comm
+    copied = layout_copy_bytes(
+        kind, _shard_dim(src), _shard_dim(dst), before.shape, before.nbytes, after.nbytes
+    )
+    return comm + copy_cost_us(copied, topology.hardware)
 
 
 def redistribution_cost_us(
@@ -186,9 +240,10 @@ def direct_redistribution_cost_us(
     total = 0.0
     for _, mesh_dim, kind in sorted(steps):
         before = local_info(tensor, current, topology.mesh_shape)
+        src = current[mesh_dim]
         current[mesh_dim] = target[mesh_dim]
         after = local_info(tensor, current, topology.mesh_shape)
-        total += _step_cost_us(kind, before, after, mesh_dim, topology)
+        total += _step_cost_us(kind, before, after, src, current[mesh_dim], mesh_dim, topology)
     return total
 
 
@@ -225,6 +280,7 @@ class PairPricer:
         self.ndim = len(tensor.shape)
         self.itemsize = _itemsize_of(tensor)
         self._nbytes: dict[tuple, float] = {}
+        self._shapes: dict[tuple, tuple[int, ...]] = {}
         self._codes: dict[tuple, tuple | None] = {}
         self._prices: dict[tuple, tuple[float, float]] = {}
         self._routes: RouteTable | None | bool = False  # False: not built yet
@@ -262,7 +318,7 @@ class PairPricer:
         kind = _code_step(src[mesh_dim], dst[mesh_dim])
         if kind == "impossible":
             return None
-        return self._step_us(kind, self._local_nbytes(src), self._local_nbytes(dst), mesh_dim)
+        return self._step_us(kind, src, dst, mesh_dim)
 
     def state_of(self, placements: object) -> int | None:
         """Index of ``placements`` among the route states; None if it is not one."""
@@ -321,17 +377,20 @@ class PairPricer:
         self._codes[placements] = result
         return result
 
-    def _local_nbytes(self, codes: tuple) -> float:
-        found = self._nbytes.get(codes)
+    def _local_shape(self, codes: tuple) -> tuple[int, ...]:
+        found = self._shapes.get(codes)
         if found is None:
-            shape = list(self.tensor.shape)
+            shape = [int(size) for size in self.tensor.shape]
             for mesh_size, code in zip(self.mesh_shape, codes):
                 if type(code) is int and code >= 0:
                     shape[code] = -(-shape[code] // mesh_size)
-            numel = 1
-            for size in shape:
-                numel *= int(size)
-            found = self._nbytes[codes] = numel * self.itemsize
+            found = self._shapes[codes] = tuple(shape)
+        return found
+
+    def _local_nbytes(self, codes: tuple) -> float:
+        found = self._nbytes.get(codes)
+        if found is None:
+            found = self._nbytes[codes] = math.prod(self._local_shape(codes)) * self.itemsize
         return found
 
     def price(self, src: tuple, dst: tuple) -> tuple[float, float]:
@@ -424,24 +483,34 @@ class PairPricer:
             current = list(a)
             total = 0.0
             for _, mesh_dim, kind in sorted(steps):
-                before = self._local_nbytes(tuple(current))
+                before = tuple(current)
                 current[mesh_dim] = b[mesh_dim]
-                after = self._local_nbytes(tuple(current))
-                total += self._step_us(kind, before, after, mesh_dim)
+                total += self._step_us(kind, before, tuple(current), mesh_dim)
         found = self._prices[key] = (total, transition)
         return found
 
-    def _step_us(self, kind: str, before: float, after: float, mesh_dim: int) -> float:
+    def _step_us(self, kind: str, src: tuple, dst: tuple, mesh_dim: int) -> float:
+        """One step from codes ``src`` to ``dst`` (they differ on ``mesh_dim`` only):
+        the collective as ``collectives._ring_us`` prices it, plus its layout copy."""
         if kind in ("slice", "zero"):
             return 0.0
         n, latency, bandwidth = self._links[mesh_dim][kind]
         if n == 1:
             return 0.0
+        before, after = self._local_nbytes(src), self._local_nbytes(dst)
         passes = 2 if kind == "all_reduce" else 1
         buffer = after if kind == "all_gather" else before
         steps = passes * (n - 1)
         transfer = passes * (n - 1) / n * max(float(buffer), 0.0) / bandwidth
-        return steps * latency + transfer * 1e6
+        copied = layout_copy_bytes(
+            kind,
+            _code_dim(src[mesh_dim]),
+            _code_dim(dst[mesh_dim]),
+            self._local_shape(src),
+            before,
+            after,
+        )
+        return steps * latency + transfer * 1e6 + copy_cost_us(copied, self.topology.hardware)
 
 
 def _placement_of_code(code: object) -> Placement:
@@ -457,6 +526,11 @@ def _itemsize_of(tensor: TensorInfo) -> int:
     if numel:
         return tensor.nbytes // numel
     return TensorInfo((1,), tensor.dtype).nbytes
+
+
+def _code_dim(code: object) -> int | None:
+    """The tensor dim a code shards (None for Replicate and Partial)."""
+    return code if type(code) is int and code >= 0 else None
 
 
 def _code_step(s: object, d: object) -> str:
