@@ -181,6 +181,10 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
         + hardware.optimizer_ns_per_element
     )
     assert optimizer > 0
+    # the step's fixed part after little other work: timed, never above the churned one
+    assert 0.0 <= hardware.optimizer_step_warm_us <= hardware.optimizer_step_us
+    assert 0 < hardware.optimizer_warm_bytes < hardware.optimizer_cold_bytes
+    assert any(s.get("churn_bytes") == hardware.optimizer_warm_bytes for s in calibration.samples)
     # the parallel module's own work outside its graphs: its probe ran at every count
     assert hardware.runtime_us_per_parameter + hardware.runtime_step_us > 0
     probes = [s for s in calibration.samples if s["what"] == "runtime_step"]

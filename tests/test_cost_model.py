@@ -486,3 +486,23 @@ def test_pair_pricer_prices_the_cheapest_route_of_single_steps() -> None:
         )
     with pytest.raises(ValueError):
         PairPricer(info(8, 8), topology).price((R,), (R, R, R))
+
+
+def test_the_optimizer_steps_fixed_cost_follows_the_memory_the_step_touches() -> None:
+    """A step that stays in little memory pays the warm fixed cost, one past the churn the
+    cold figure was timed after pays that, and one between is priced between (log scale)."""
+    hardware = Hardware(
+        **{
+            **vars(CPU),
+            "optimizer_step_us": 2000.0,
+            "optimizer_step_warm_us": 500.0,
+            "optimizer_warm_bytes": float(16 << 20),
+            "optimizer_cold_bytes": float(256 << 20),
+        }
+    )
+    assert hardware.optimizer_fixed_us(1 << 20) == 500.0
+    assert hardware.optimizer_fixed_us(1 << 30) == 2000.0
+    assert hardware.optimizer_fixed_us(64 << 20) == pytest.approx(1250.0)  # halfway in log
+    # a profile without the warm figures (older, or a preset) pays one fixed cost
+    older = Hardware(**{**vars(CPU), "optimizer_step_us": 2000.0})
+    assert older.optimizer_fixed_us(1 << 20) == 2000.0

@@ -380,6 +380,13 @@ phase split). A small model's step, whose state stays in
 cache, is over-priced by the churn's fixed part (tiny LLaMA: 2.2 ms against 1.2)."""
 
 
+OPTIMIZER_WARM_CHURN_BYTES = 16 << 20
+"""The churn before the step of a model whose whole step stays in this much memory: its
+optimizer state and the host's own structures stay warm, and the churned step's fixed part
+is not paid (``Hardware.optimizer_fixed_us`` interpolates between the two by the plan's
+predicted peak)."""
+
+
 def _memory_churn(device: torch.device, nbytes: int) -> Callable[[], None]:
     def churn() -> None:
         buffer = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
@@ -389,9 +396,16 @@ def _memory_churn(device: torch.device, nbytes: int) -> Callable[[], None]:
     return churn
 
 
-def optimizer_step_us(mesh: DeviceMesh, tensors: int, numel: int, repeats: int) -> float:
+def optimizer_step_us(
+    mesh: DeviceMesh,
+    tensors: int,
+    numel: int,
+    repeats: int,
+    churn_bytes: int = OPTIMIZER_CHURN_BYTES,
+) -> float:
     """One ``AdamW(foreach=True).step()`` over ``tensors`` replicated DTensor parameters of
-    ``numel`` elements each, with gradients set: what the runtime's optimizer step runs."""
+    ``numel`` elements each, with gradients set: what the runtime's optimizer step runs.
+    Every rank writes ``churn_bytes`` off the clock before each timed step."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     device = torch.device(mesh.device_type)
@@ -405,7 +419,7 @@ def optimizer_step_us(mesh: DeviceMesh, tensors: int, numel: int, repeats: int) 
         )
         params.append(param)
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    churn = _memory_churn(device, OPTIMIZER_CHURN_BYTES)
+    churn = _memory_churn(device, churn_bytes)
 
     def churn_then_align() -> None:
         # A step's optimizer starts on every rank at once: the backward ends in a gradient

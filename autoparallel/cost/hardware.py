@@ -111,6 +111,14 @@ class Hardware:
     optimizer_base_numel: float = 0.0
     optimizer_large_numel: float = 0.0
     optimizer_ns_per_element_large: float = 0.0
+    # the fixed part depends on how much memory the rest of the step touches: timed after
+    # optimizer_cold_bytes of other work it is optimizer_step_us (cold caches, the host's
+    # structures evicted), after optimizer_warm_bytes it is optimizer_step_warm_us; a plan
+    # whose predicted peak lies between is priced in between (log scale). 0 bytes: always
+    # optimizer_step_us.
+    optimizer_step_warm_us: float = 0.0
+    optimizer_warm_bytes: float = 0.0
+    optimizer_cold_bytes: float = 0.0
     # the parallel module's own work per training step outside its traced graphs, on a
     # synchronous host (measured by calibrate on CPU; 0 on a GPU, where the host runs ahead
     # of the kernels, and in the presets): a fixed part (entering and leaving the forward
@@ -134,6 +142,19 @@ class Hardware:
         return (
             self.optimizer_us_per_tensor
             + local_numel * self.optimizer_ns_per_element_at(local_numel) / 1e3
+        )
+
+    def optimizer_fixed_us(self, step_bytes: float) -> float:
+        """The optimizer step's fixed cost in a training step whose memory peaks at
+        ``step_bytes`` on the rank."""
+        warm, cold = self.optimizer_warm_bytes, self.optimizer_cold_bytes
+        if not (0 < warm < cold) or step_bytes >= cold:
+            return self.optimizer_step_us
+        if step_bytes <= warm:
+            return self.optimizer_step_warm_us
+        weight = math.log(step_bytes / warm) / math.log(cold / warm)
+        return self.optimizer_step_warm_us + weight * (
+            self.optimizer_step_us - self.optimizer_step_warm_us
         )
 
     def optimizer_ns_per_element_at(self, local_numel: int) -> float:

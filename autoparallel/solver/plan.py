@@ -139,11 +139,11 @@ def build_plan(
         source = tangent if tangent is not None else output
         output_placements.append(placement_of(source) if source is not None else None)
 
-    optimizer = sum(n.compute_us for n in nodes.values() if n.phase == "placeholder")
-    if joint.param_grads:
-        optimizer += tables.topology.hardware.optimizer_step_us  # once per step
     counts = recompute_counts(memory_model(problem).recompute, solution.auxiliary)
     memory = estimate_memory(problem, choice, problem.memory_budget, counts)
+    optimizer = sum(n.compute_us for n in nodes.values() if n.phase == "placeholder")
+    if joint.param_grads:  # once per step, colder the more memory the step touches
+        optimizer += tables.topology.hardware.optimizer_fixed_us(memory.peak)
     runtime = tables.topology.hardware.runtime_us(len(joint.param_grads))
     compute = sum(n.compute_us for n in nodes.values() if n.phase != "placeholder")
     compute += optimizer + runtime
