@@ -1,15 +1,17 @@
 """Predicted vs measured step time of our plans, pinned to the hand recipes and free.
 
     python benchmarks/plan_fidelity.py --hardware profile.json [--models mlp llama-tiny llama-small]
-        [--nproc 2 4] [--steps 5] [--rounds 3] [--warmup 3] [--recipes free ddp fsdp tp recompute]
+        [--nproc 2 4] [--steps 5] [--rounds 3] [--warmup 3]
+        [--recipes free ddp fsdp tp free-twin recompute]
         [--no-torch]
 
 ``profile.json`` comes from ``autoparallel calibrate --nproc 2 --out profile.json`` on the same
 machine (the default, the ``cpu`` preset, is not this machine). For every model and every
 rank count, one set of gloo ranks plans the model under that hardware once per recipe (see
 ``benchmarks/workloads.py``: ``ddp``, ``fsdp``, ``tp`` pinned with node constraints on the
-parameters, ``free`` the planner's choice, ``recompute`` the free plan recomputing every
-layer) and builds torch's own DDP and FSDP2 as a
+parameters, ``free`` the planner's choice, ``free-twin`` the free plan planned and built a
+second time, ``recompute`` the free plan recomputing every layer) and builds torch's own DDP
+and FSDP2 as a
 yardstick; then it times them round-robin, ``--rounds`` rounds of ``--steps`` AdamW steps
 each (after ``--warmup`` untimed ones), so a slow spell of this shared machine falls on all
 of them, and takes each one's median step of the slowest rank
@@ -24,7 +26,10 @@ of them, and takes each one's median step of the slowest rank
   error can be traced to the phase it comes from; the table prints them as
   ``predicted/measured`` under each variant;
 * ``free/best``: the free plan's measured time over the fastest pinned recipe's (<= 1.05
-  means the planner's choice is as good as the best hand recipe on our runtime).
+  means the planner's choice is as good as the best hand recipe on our runtime);
+* ``twin_spread``: how far apart the free plan and its twin measured, over the faster: two
+  builds of one plan in one run, so this is the resolution of the run's measurements (on
+  this 2-core VM the same plan, pinned as ``ddp`` and free, measured up to ~40 % apart).
 
 Children's logs go to stderr. A variant that fails is reported with its error and the others
 still run.
@@ -80,6 +85,9 @@ class _Variant:
     phase_ms: dict[str, list[float]]
 
 
+TWIN = "free-twin"
+"""The free plan, planned and built again: its distance from ``free`` is the noise floor."""
+
 RECOMPUTE_EVERY_LAYER = {"memory_budget": 1e15, "activation_checkpointing": "all"}
 """The ``recompute`` variant: the free plan with every layer recomputed in the backward (a
 budget that never binds), to set the price of recomputation beside its measured cost."""
@@ -99,7 +107,9 @@ def _build_variant(
         planned = (
             plan_ours(workload, mesh, hardware=hardware, **RECOMPUTE_EVERY_LAYER)
             if variant == "recompute"
-            else plan_ours(workload, mesh, recipe=variant, hardware=hardware)
+            else plan_ours(
+                workload, mesh, recipe="free" if variant == TWIN else variant, hardware=hardware
+            )
         )
         model, plan = planned.module, planned.plan
         info["planning_s"] = round(planned.planning_s, 2)
@@ -204,7 +214,8 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 
 
 def summarize(results: dict) -> dict:
-    """Spearman over our recipes, and the free plan against the best pinned one."""
+    """Spearman over our recipes, the free plan against the best pinned one, and how far
+    apart the free plan and its twin measured."""
     ours = [
         (v, r)
         for v, r in results.items()
@@ -222,6 +233,10 @@ def summarize(results: dict) -> dict:
     errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for _, r in ours]
     if errors:
         summary["max_abs_error"] = round(max(errors), 3)
+    twin = results.get(TWIN, {})
+    if free.get("status") == "ok" and twin.get("status") == "ok":
+        both = (free["measured_ms"], twin["measured_ms"])
+        summary["twin_spread"] = round((max(both) - min(both)) / min(both), 3)
     return summary
 
 
@@ -268,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--nproc", nargs="+", type=int, default=[2])
     parser.add_argument(
-        "--recipes", nargs="+", choices=(*RECIPES, "recompute"), default=list(RECIPES)
+        "--recipes",
+        nargs="+",
+        choices=(*RECIPES, TWIN, "recompute"),
+        default=[*RECIPES, TWIN],
     )
     parser.add_argument("--no-torch", action="store_true", help="skip torch's DDP and FSDP2")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
