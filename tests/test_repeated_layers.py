@@ -241,3 +241,51 @@ def test_helper_modules_outside_the_submodules_are_compared_as_layers_are():
     different = nn.Module()
     different.layers = nn.ModuleList(_HelperModuleLayer(1e-3 if i == 4 else 1e-6) for i in range(6))
     assert find_repeated_layers(different) is None
+
+
+def _scaling_hook(scale: float):
+    def hook(module, args, output):
+        return output * scale
+
+    return hook
+
+
+def _stack_of_linears() -> nn.Module:
+    stack = nn.Module()
+    stack.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+    return stack
+
+
+def test_layers_with_the_same_hooks_repeat_and_with_other_hooks_do_not():
+    same = _stack_of_linears()
+    for layer in same.layers:
+        layer.register_forward_hook(_scaling_hook(2.0))
+    assert find_repeated_layers(same).count == 6
+    one_only = _stack_of_linears()
+    one_only.layers[3].register_forward_hook(_scaling_hook(2.0))
+    assert find_repeated_layers(one_only) is None
+    other_setting = _stack_of_linears()
+    for index, layer in enumerate(other_setting.layers):
+        layer.register_forward_hook(_scaling_hook(3.0 if index == 5 else 2.0))
+    assert find_repeated_layers(other_setting) is None
+    over_itself = _stack_of_linears()  # a hook that closes over its own layer
+    for layer in over_itself.layers:
+        layer.register_forward_hook(lambda module, args, output, layer=layer: output)
+        layer.register_forward_pre_hook(_scaling_hook(layer))
+    assert find_repeated_layers(over_itself) is None
+
+
+def test_hugging_face_layers_hooked_by_an_earlier_forward_are_still_traced_once(caplog):
+    """A forward that asked for hidden states leaves transformers' output-capturing hooks on
+    every layer: the same hook on each, inert while tracing."""
+    from autoparallel.models.hf import hf_llama
+
+    model = hf_llama(num_hidden_layers=6, logits_only=False)
+    model(torch.randint(0, 256, (2, 16)), output_hidden_states=True)
+    layers = model.model.layers
+    if not any(layer._forward_hooks for layer in layers):
+        pytest.skip("this transformers release installs no hooks on the layers")
+    assert find_repeated_layers(model) is not None
+    once, full = _both_traces(model, lambda: torch.randint(0, 256, (2, 16)), caplog)
+    assert once.layers_traced_once is not None
+    assert first_difference(once.graph, full.graph) is None

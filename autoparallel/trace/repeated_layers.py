@@ -6,8 +6,9 @@ identical modules we trace it twice with only its first 3 and first 4 layers and
 N-layer graph from those (``layer_stamping.py``; ``export.py`` runs both).
 
 :func:`find_repeated_layers` finds the outermost ``ModuleList``/``ModuleDict`` whose children
-are the same class with the same parameter and buffer shapes, equal plain settings and no
-hooks, so that nothing visible tells one layer from another. Integer attributes that number
+are the same class with the same parameter and buffer shapes, equal plain settings and the
+same hooks (none, or one function with equal settings on every layer), so that nothing
+visible tells one layer from another. Integer attributes that number
 the layers (Hugging Face's ``layer_idx``) may differ: :func:`with_first_layers` replaces them
 in the short models by :class:`UnreadLayerIndex`, so a forward that reads them fails there
 and the model is traced whole.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import types
 from typing import Any
 
 import torch
@@ -113,7 +115,9 @@ def _has_hooks(module: nn.Module) -> bool:
     return any(_HOOK_DICT.match(key) and value for key, value in vars(module).items())
 
 
-def _difference(a: nn.Module, b: nn.Module, index_attributes: set[str]) -> str | None:
+def _difference(
+    a: nn.Module, b: nn.Module, index_attributes: set[str], depth: int = 0
+) -> str | None:
     """The first thing that tells layer ``b`` from layer ``a`` (None if nothing does).
 
     Integer attributes that differ are not a difference: they are added to
@@ -126,8 +130,8 @@ def _difference(a: nn.Module, b: nn.Module, index_attributes: set[str]) -> str |
         where = name or "the layer"
         if type(x) is not type(y):
             return f"{where} is a {type(x).__name__} in one and a {type(y).__name__} in the other"
-        if _has_hooks(x) or _has_hooks(y):
-            return f"{where} has hooks"
+        if not _same_hooks(x, y, depth):
+            return f"{where} has hooks that differ between the layers"
         if _tensor_layout(x._parameters) != _tensor_layout(y._parameters):
             return f"{where} has other parameter shapes, dtypes or requires_grad"
         if _tensor_layout(x._buffers) != _tensor_layout(y._buffers) or (
@@ -140,13 +144,36 @@ def _difference(a: nn.Module, b: nn.Module, index_attributes: set[str]) -> str |
             if key not in state_x or key not in state_y:
                 return f"`{path}` is set in one layer only"
             value_x, value_y = state_x[key], state_y[key]
-            if _same_value(value_x, value_y):
+            if _same_value(value_x, value_y, depth):
                 continue
             if type(value_x) is int and type(value_y) is int:
                 index_attributes.add(path)
                 continue
             return f"`{path}` differs"
     return None
+
+
+def _hooks(module: nn.Module) -> list[tuple[str, list[Any]]]:
+    """Each hook dict of ``module`` (by name) with its hooks in order, handles left out."""
+    return [
+        (key, list(value.values()))
+        for key, value in sorted(vars(module).items())
+        if _HOOK_DICT.match(key) and isinstance(value, dict)
+    ]
+
+
+def _same_hooks(a: nn.Module, b: nn.Module, depth: int = 0) -> bool:
+    """The same hooks in the same order: the same function with equal settings, as a library
+    installs on every layer (Hugging Face's output-capturing hooks, once a forward asked for
+    hidden states). Such hooks run in the short traces as in the full one."""
+    hooks_a, hooks_b = _hooks(a), _hooks(b)
+    if [(key, len(fns)) for key, fns in hooks_a] != [(key, len(fns)) for key, fns in hooks_b]:
+        return False
+    return all(
+        _same_value(f, g, depth)
+        for (_, fns_a), (_, fns_b) in zip(hooks_a, hooks_b)
+        for f, g in zip(fns_a, fns_b)
+    )
 
 
 def _plain_state(module: nn.Module) -> dict[str, Any]:
@@ -164,9 +191,14 @@ def _tensor_layout(tensors: dict[str, Any]) -> list[tuple]:
     ]
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Equal plain settings, or modules that nothing tells apart; anything richer must be
-    the very same object."""
+_CLOSURE_DEPTH = 4
+"""How deep values are compared through the modules and functions they hold (a hook that
+closes over its own layer leads back to it)."""
+
+
+def _same_value(a: Any, b: Any, depth: int = 0) -> bool:
+    """Equal plain settings, modules that nothing tells apart, or functions made from the
+    same code over equal values; anything richer must be the very same object."""
     if a is b:
         return True
     if type(a) is not type(b):
@@ -174,17 +206,35 @@ def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (bool, int, float, str, bytes, torch.dtype, torch.device)):
         return a == b
     if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b))
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k], depth) for k in a)
     if isinstance(a, functools.partial):  # e.g. an activation made per layer: partial(gelu, ...)
         return (
             a.func is b.func and _same_value(a.args, b.args) and _same_value(a.keywords, b.keywords)
         )
     if isinstance(a, nn.Module):  # a helper module kept outside `_modules`, e.g. HF's hub kernels
         numbered: set[str] = set()
-        return _difference(a, b, numbered) is None and not numbered
+        if depth >= _CLOSURE_DEPTH:  # reached again through what it holds (a hook over `self`)
+            return False
+        return _difference(a, b, numbered, depth + 1) is None and not numbered
+    if isinstance(a, types.FunctionType):  # a hook or helper defined once per layer
+        return depth < _CLOSURE_DEPTH and _same_function(a, b, depth + 1)
     return False
+
+
+def _same_function(a: types.FunctionType, b: types.FunctionType, depth: int) -> bool:
+    if a.__code__ is not b.__code__ or a.__globals__ is not b.__globals__:
+        return False
+    cells_a, cells_b = a.__closure__ or (), b.__closure__ or ()
+    return (
+        _same_value(a.__defaults__, b.__defaults__, depth)
+        and _same_value(a.__kwdefaults__, b.__kwdefaults__, depth)
+        and len(cells_a) == len(cells_b)
+        and all(
+            _same_value(x.cell_contents, y.cell_contents, depth) for x, y in zip(cells_a, cells_b)
+        )
+    )
 
 
 class LayerIndexRead(RuntimeError):
