@@ -211,7 +211,9 @@ def _same_value(a: Any, b: Any, depth: int = 0) -> bool:
         return a.keys() == b.keys() and all(_same_value(a[k], b[k], depth) for k in a)
     if isinstance(a, functools.partial):  # e.g. an activation made per layer: partial(gelu, ...)
         return (
-            a.func is b.func and _same_value(a.args, b.args) and _same_value(a.keywords, b.keywords)
+            a.func is b.func
+            and _same_value(a.args, b.args, depth)
+            and _same_value(a.keywords, b.keywords, depth)
         )
     if isinstance(a, nn.Module):  # a helper module kept outside `_modules`, e.g. HF's hub kernels
         numbered: set[str] = set()
