@@ -159,7 +159,12 @@ def copy_cost_us(nbytes: float, hardware: Hardware) -> float:
     as :func:`compute_cost_us` prices a memory-bound op."""
     if nbytes <= 0:
         return 0.0
-    roofline_us = nbytes / hardware.memory_bandwidth * _US_PER_S
+    return _op_us(nbytes / hardware.memory_bandwidth * _US_PER_S, hardware)
+
+
+def _op_us(roofline_us: float, hardware: Hardware) -> float:
+    """An op's time from its roofline: plus the launch cost where the host runs each op to
+    completion, floored at it where the device runs ahead of the host."""
     if hardware.synchronous_ops:
         return hardware.kernel_launch_us + roofline_us
     return max(roofline_us, hardware.kernel_launch_us)
@@ -189,7 +194,4 @@ def compute_cost_us(
             rate *= smallest / (smallest + hardware.matmul_half_dim)
         compute_s = flops / rate
     memory_s = bytes_moved(args, kwargs, output) / hardware.memory_bandwidth
-    roofline_us = max(compute_s, memory_s) * _US_PER_S
-    if hardware.synchronous_ops:
-        return hardware.kernel_launch_us + roofline_us
-    return max(roofline_us, hardware.kernel_launch_us)
+    return _op_us(max(compute_s, memory_s) * _US_PER_S, hardware)

@@ -112,7 +112,7 @@ def _shared_parameter_ids(model: nn.Module) -> set[int]:
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    return any(_HOOK_DICT.match(key) and value for key, value in vars(module).items())
+    return any(hooks for _, hooks in _hooks(module))
 
 
 def _difference(
