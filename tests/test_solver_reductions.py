@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import highspy
+import numpy as np
 import pytest
 import torch
 from conftest import meta
@@ -14,7 +16,17 @@ from autoparallel import AutoParallel
 from autoparallel import _torch_internals as internals
 from autoparallel.cost import TRANSITION_COST_US, PairPricer, direct_redistribution_cost_us
 from autoparallel.models import MLP, Llama, llama_config
-from autoparallel.solver.highs import SolverOptions, _run, solve
+from autoparallel.solver.highs import (
+    SolverOptions,
+    _all_rows,
+    _auxiliary,
+    _priced,
+    _relaxation,
+    _run,
+    _to_highs,
+    solve,
+)
+from autoparallel.solver.priced import priced_plan
 from autoparallel.solver.memory import estimate_memory
 from autoparallel.solver.overlap import window_times
 from autoparallel.solver.plan import build_plan
@@ -84,25 +96,59 @@ def test_small_problems_go_straight_to_the_mip(fake_mesh):
     assert outcome.highs.getOptionValue("solve_relaxation")[1] is False
 
 
-@pytest.mark.parametrize("priced, method", [(True, "lp+price"), (False, "lp+fix")])
-def test_a_binding_memory_budget_is_met_near_the_exact_optimum(fake_mesh, priced, method):
-    """A budget that binds leaves the relaxation fractional. Pricing the budget into the
-    objective, or fixing what the relaxation chose above 0.5, gives a plan within the budget
-    and within fix_gap of the exact MIP's objective."""
-    autop = _autop(fake_mesh((4,)))
-    optimizer = autop.sharding_optimizer
+def _budgeted(mesh):
+    """The tiny LLaMA's problem under a budget of 70 % of its budget-free plan's peak (it
+    binds), and that budget."""
+    optimizer = _autop(mesh).sharding_optimizer
     optimizer.remove_constraints(["parameter_memory"])
-    free = optimizer.resolve()
-    budget = 0.7 * free.memory.peak
+    budget = 0.7 * optimizer.resolve().memory.peak
     optimizer.add_memory_constraint(budget)
-    problem = optimizer.problem
-    options = SolverOptions(lp_first_min_variables=0, priced_search=priced)
-    fixed = solve(problem, options)
+    return optimizer.problem, budget
+
+
+@pytest.mark.parametrize(
+    "options, method",
+    [
+        (SolverOptions(lp_first_min_variables=0), "lp+fix"),
+        (SolverOptions(lp_first_min_variables=0, priced_search=False), "lp+fix"),
+        # a relaxation that does not finish at once: the priced search from scratch
+        (SolverOptions(lp_first_min_variables=0, budget_relaxation_wait_s=0.0), "lp+price"),
+    ],
+)
+def test_a_binding_memory_budget_is_met_near_the_exact_optimum(fake_mesh, options, method):
+    """A budget that binds leaves the relaxation fractional. Fixing what the relaxation
+    chose above 0.5, or (where the relaxation is slow) pricing the budget into the
+    objective, gives a plan within the budget and within fix_gap of the exact MIP's."""
+    problem, budget = _budgeted(fake_mesh((4,)))
+    found = solve(problem, options)
     exact = solve(problem, SolverOptions(lp_first=False))
-    assert fixed.stats.method == method
-    assert fixed.stats.bound <= exact.stats.objective + 1e-6 <= fixed.stats.objective + 2e-6
-    assert fixed.stats.objective <= exact.stats.objective * (1 + options.fix_gap)
-    assert estimate_memory(problem, fixed.choice).peak <= budget * (1 + 1e-9)
+    assert found.stats.method == method
+    assert found.stats.bound <= exact.stats.objective + 1e-6 <= found.stats.objective + 2e-6
+    assert found.stats.objective <= exact.stats.objective * (1 + options.fix_gap)
+    assert estimate_memory(problem, found.choice).peak <= budget * (1 + 1e-9)
+
+
+def test_the_priced_search_at_the_relaxations_duals_meets_the_budget(fake_mesh):
+    """Where fixing finds nothing close enough, the budget priced at the relaxation's duals
+    (then scaled until the plan fits) gives an integral plan within the budget, no better
+    than the relaxation's bound."""
+    problem, budget = _budgeted(fake_mesh((4,)))
+    names = list(problem.user_constraints)
+    rows, auxiliary = _all_rows(problem, names), _auxiliary(problem, names)
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.passModel(_to_highs(problem, rows, auxiliary))
+    options = SolverOptions()
+    assert _relaxation(highs, options) == "Optimal"
+    bound = highs.getInfo().objective_function_value
+    found = _priced(priced_plan, highs, problem, rows, auxiliary, options, 60.0)
+    assert found is not None and found.objective >= bound - 1e-6
+    values = found.values[: problem.num_variables]
+    assert np.allclose(values[problem.integrality], np.round(values[problem.integrality]))
+    choice = {
+        node: int(np.argmax(values[columns])) for node, columns in problem.node_columns.items()
+    }
+    assert estimate_memory(problem, choice).peak <= budget * (1 + 1e-9)
 
 
 def test_a_polishing_branch_and_bound_stops_at_its_limit_with_the_plan_in_hand(fake_mesh):

@@ -26,11 +26,18 @@ calls 3 % slower is not worth minutes). Without any plan found before it, the MI
 whole ``time_limit_s``.
 
 Priced search: where a memory budget binds, pricing its rows into the objective
-(solver/priced.py) gives an integral plan within the budget in a few warm-started LP solves,
-once before the relaxation (with a Lagrangian lower bound of its own; the relaxation of a
-binding budget can take minutes) and once after a fractional relaxation (at its duals). A
-plan within ``fix_gap`` of its bound is accepted ("lp+price"); else it is the plan to beat
-for what follows, and the plan returned if the relaxation does not finish in time.
+(solver/priced.py) gives an integral plan within the budget in a few warm-started LP solves.
+After a fractional relaxation it runs at the relaxation's duals, where fixing (relax and fix,
+or the branch on the counts below) found no plan within ``fix_gap``: fixing goes first, as
+on LLaMA-3 8B under a halfway budget it found the plan in 1-2 s where the priced search took
+2-4 s and came out further from the bound. A relaxation with budget rows that has not
+finished after ``budget_relaxation_wait_s`` hands over to the priced search from scratch
+(no duals: the mean budget row, each priced LP also a Lagrangian lower bound, so its plan
+has a gap of its own); a plan within ``fix_gap`` of that bound is accepted ("lp+price"),
+else the relaxation runs on with it as the plan to beat and the plan returned when the
+relaxation does not finish in time. (On today's problems the relaxation finishes in 2-3 s
+where the search from scratch took 3-5 s first and rarely came close enough: LLaMA-3 8B and
+70B on (8, 8) under budgets, ``benchmarks/plan_time.py``.)
 
 Branch on the counts: a memory constraint that may recompute layers adds a few integer
 columns (how many layers of each class, solver/recompute.py). The relaxation spreads a count
@@ -97,9 +104,13 @@ class SolverOptions:
             (relax and fix, the priced search) runs at most this long; the plan then carries
             its gap (``plan.solver.gap``). A MIP with no such plan to start from has the
             whole ``time_limit_s``.
-        priced_search: on a fractional relaxation with budget rows (a memory budget), look
-            first for a plan by pricing the budget into the objective (solver/priced.py: a
-            few warm-started LPs); accepted within ``fix_gap``, else the best plan so far.
+        priced_search: with budget rows (a memory budget), look for a plan by pricing the
+            budget into the objective (solver/priced.py: a few warm-started LPs) where
+            fixing the relaxation found none within ``fix_gap``, or where the relaxation is
+            slow (see ``budget_relaxation_wait_s``).
+        budget_relaxation_wait_s: how long the relaxation with budget rows may run before
+            the priced search from scratch takes over (the relaxation then runs on after
+            it); 2-3 s on LLaMA-3 8B and 70B on (8, 8) under their budgets.
         relaxation_solver: HiGHS's LP solver for the relaxation: "simplex" (a vertex, fast
             when the relaxation is integral: LLaMA-3 8B on (8, 8) 3.0 s against 18.1 s) or
             "ipm" (interior point with crossover: faster on a hard memory budget, the tiny
@@ -115,6 +126,7 @@ class SolverOptions:
     fix_gap: float = 0.01
     polish_time_s: float = 30.0
     priced_search: bool = True
+    budget_relaxation_wait_s: float = 15.0
     relaxation_solver: str = "simplex"
 
 
@@ -132,11 +144,11 @@ class _Candidate:
 @dataclass(frozen=True)
 class _Basis:
     """A simplex basis for a re-solve of the same rows and columns at other prices, and
-    which LP it is of: the relaxation with the budget rows (the re-solve starts there,
-    without the priced search before it: on LLaMA-3 8B under a halfway budget that search
-    from the relaxation's basis took longer than the relaxation), or the priced search's
-    last LP, without them (the re-solve's priced search starts there: LLaMA-3 70B under 80
-    GB, 2.8 s cold against 1.5 s)."""
+    which LP it is of: the relaxation with the budget rows (the re-solve's relaxation starts
+    there: on LLaMA-3 8B under a halfway budget 5.6 s against 8.9 s cold), or the priced
+    search's last LP, without them, where a slow relaxation handed over to the search from
+    scratch (the re-solve's priced search starts there: LLaMA-3 70B under 80 GB, 2.8 s cold
+    against 1.5 s)."""
 
     basis: highspy.HighsBasis
     of_relaxation: bool
@@ -244,20 +256,29 @@ def _run(
         # a re-solve at refitted prices starts from the last solve's basis (see _Basis)
         if warm_start is not None:
             _start_from(highs, warm_start.basis)
-        found = (
-            None
-            if warm_start is not None and warm_start.of_relaxation
-            else _priced(priced_from_scratch, highs, problem, rows, auxiliary, options, remaining())
-        )
+        budgeted = options.priced_search and any(row.budget for row in rows)
+        status = None
+        if warm_start is None or warm_start.of_relaxation:
+            wait = min(remaining(), options.budget_relaxation_wait_s) if budgeted else remaining()
+            allow(highs, wait)
+            status = _relaxation(highs, options)
+        found = None
+        if budgeted and (status is None or _timed_out(status)):
+            # the relaxation of a binding budget is slow here: the priced search from
+            # scratch finds a plan (with a bound) first, then the relaxation runs on
+            found = _priced(
+                priced_from_scratch, highs, problem, rows, auxiliary, options, remaining()
+            )
+            early = None if found is None else _Candidate(found.objective, found.values)
+            if early is not None and early.gap(found.bound) <= options.fix_gap:
+                elapsed = time.perf_counter() - start
+                basis = _Basis(highs.getBasis(), of_relaxation=False)
+                method = "lp" if early.objective <= found.bound else "lp+price"
+                # "lp": the plan without the budget meets it
+                return _Outcome(highs, "Optimal", elapsed, method, found.bound, early, basis)
+            allow(highs, remaining())
+            status = _relaxation(highs, options)
         early = None if found is None else _Candidate(found.objective, found.values)
-        if early is not None and early.gap(found.bound) <= options.fix_gap:
-            elapsed = time.perf_counter() - start
-            basis = _Basis(highs.getBasis(), of_relaxation=False)
-            method = "lp" if early.objective <= found.bound else "lp+price"
-            # "lp": the plan without the budget meets it
-            return _Outcome(highs, "Optimal", elapsed, method, found.bound, early, basis)
-        allow(highs, remaining())
-        status = _relaxation(highs, options)
         basis = _Basis(highs.getBasis(), True) if status.lower() == "optimal" else None
         if early is not None and status.lower() != "optimal" and not _is_infeasible(status):
             # the relaxation did not finish: the priced plan is the best there is
@@ -273,26 +294,30 @@ def _run(
         if status.lower() == "optimal":
             bound = float(highs.getInfo().objective_function_value)
             relaxed = np.asarray(highs.getSolution().col_value)
-            at_duals = _priced(priced_plan, highs, problem, rows, auxiliary, options, remaining())
-            priced = None if at_duals is None else _Candidate(at_duals.objective, at_duals.values)
-            if early is not None and (priced is None or early.objective < priced.objective):
-                priced = early
-            if priced is not None and priced.gap(bound) <= options.fix_gap:
-                elapsed = time.perf_counter() - start
-                return _Outcome(highs, "Optimal", elapsed, "lp+price", bound, priced, basis)
-            if len(counts) and not _integral_in(relaxed, counts, options):
-                search = _branch_on_counts(highs, problem, auxiliary, counts, options, remaining())
-            else:
-                fixed = _relax_and_fix(highs, problem, options, remaining(), relaxed, bound)
-                search = None if fixed is None else (fixed, bound)
-            if priced is not None and (search is None or priced.objective < search[0].objective):
-                search = (priced, bound if search is None else search[1])
-            if search is not None:
-                plan, bound = search
-                if plan.gap(bound) <= options.fix_gap:
+            duals = np.asarray(highs.getSolution().row_dual)
+            # fixing first (on LLaMA-3 8B under a halfway budget it found the plan in
+            # 1-2 s, where the priced search took 2-4 s and missed), then the priced
+            # search at the relaxation's duals where fixing found nothing close enough
+            best = _fixed_plan(
+                highs, problem, auxiliary, counts, options, remaining(), bound, relaxed
+            )
+            if best is None or best.gap > options.fix_gap:
+                at_duals = _priced(
+                    priced_plan, highs, problem, rows, auxiliary, options, remaining(), duals
+                )
+                for found in (at_duals, early):
+                    if found is not None and (
+                        best is None or found.objective < best.plan.objective
+                    ):
+                        candidate = _Candidate(found.objective, found.values)
+                        best = _Found(candidate, bound if best is None else best.bound, "lp+price")
+            if best is not None:
+                if best.gap <= options.fix_gap:
                     elapsed = time.perf_counter() - start
-                    return _Outcome(highs, "Optimal", elapsed, "lp+fix", bound, plan, basis)
-                highs.setSolution(_as_solution(plan))  # the full MIP starts from it
+                    return _Outcome(
+                        highs, "Optimal", elapsed, best.method, best.bound, best.plan, basis
+                    )
+                highs.setSolution(_as_solution(best.plan))  # the full MIP starts from it
                 polish_s = min(remaining(), float(options.polish_time_s))
             logger.info(
                 "relax and fix found no plan within %.1f%%: running branch and bound%s",
@@ -304,6 +329,41 @@ def _run(
     status = highs.modelStatusToString(highs.getModelStatus())
     elapsed = time.perf_counter() - start
     return _Outcome(highs, status, elapsed, "mip", None, polish_s=polish_s)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A plan, the lower bound it is measured against, and the method that found it."""
+
+    plan: _Candidate
+    bound: float
+    method: str
+
+    @property
+    def gap(self) -> float:
+        return self.plan.gap(self.bound)
+
+
+def _fixed_plan(
+    highs: highspy.Highs,
+    problem: Problem,
+    auxiliary: AuxiliaryColumns | None,
+    counts: np.ndarray,
+    options: SolverOptions,
+    time_limit_s: float,
+    bound: float,
+    relaxed: np.ndarray,
+) -> _Found | None:
+    """The plan that fixing the fractional relaxation ``relaxed`` (objective ``bound``)
+    gives: branching on the recompute counts where they are fractional, else relax and
+    fix; None when it finds none."""
+    if len(counts) and not _integral_in(relaxed, counts, options):
+        branched = _branch_on_counts(
+            highs, problem, auxiliary, counts, options, time_limit_s, (bound, relaxed)
+        )
+        return None if branched is None else _Found(branched[0], branched[1], "lp+fix")
+    fixed = _relax_and_fix(highs, problem, options, time_limit_s, relaxed, bound)
+    return None if fixed is None else _Found(fixed, bound, "lp+fix")
 
 
 def _start_from(highs: highspy.Highs, basis: highspy.HighsBasis) -> None:
@@ -412,13 +472,16 @@ def _branch_on_counts(
     counts: np.ndarray,
     options: SolverOptions,
     time_limit_s: float,
+    root: tuple[float, np.ndarray],
 ) -> tuple[_Candidate, float] | None:
     """Branch and bound over the few integer auxiliary columns only (how many layers each
     class recomputes): the relaxation spreads a count over a fraction of a layer, which the
     full MIP takes minutes to undo. Each node solves the relaxation with the counts
-    bounded; where the counts come out integral, relax and fix finds the plan. Returns the
-    best plan and a lower bound on every plan's objective (the smallest relaxation among
-    the nodes left), or None if no plan was found; the bounds are restored."""
+    bounded; where the counts come out integral, relax and fix finds the plan. ``root``:
+    the relaxation with the counts unbounded, already solved (objective, column values),
+    which the tree starts from instead of solving it again (seconds on LLaMA-3 8B). Returns
+    the best plan and a lower bound on every plan's objective (the smallest relaxation
+    among the nodes left), or None if no plan was found; the bounds are restored."""
     original = (
         np.asarray(auxiliary.lower)[auxiliary.integral],
         np.asarray(auxiliary.upper)[auxiliary.integral],
@@ -431,6 +494,7 @@ def _branch_on_counts(
     def pruned(bound: float) -> bool:  # nothing below it could beat best by fix_gap
         return best is not None and bound >= best.objective * (1 - options.fix_gap)
 
+    solved: tuple[float, np.ndarray] | None = root
     while stack:
         lower, upper, parent = stack.pop()
         if pruned(parent):
@@ -439,13 +503,17 @@ def _branch_on_counts(
         if time.perf_counter() >= deadline:
             bounds.append(parent)
             continue
-        highs.changeColsBounds(len(counts), counts, lower, upper)
-        allow(highs, deadline - time.perf_counter())
-        status = _relaxation(highs, options)
-        if status.lower() != "optimal":
-            continue  # infeasible (or stopped): no plan with these counts
-        objective = float(highs.getInfo().objective_function_value)
-        values = np.asarray(highs.getSolution().col_value)
+        if solved is None:
+            highs.changeColsBounds(len(counts), counts, lower, upper)
+            allow(highs, deadline - time.perf_counter())
+            status = _relaxation(highs, options)
+            if status.lower() != "optimal":
+                continue  # infeasible (or stopped): no plan with these counts
+            solved = (
+                float(highs.getInfo().objective_function_value),
+                np.asarray(highs.getSolution().col_value),
+            )
+        (objective, values), solved = solved, None
         if pruned(objective):
             bounds.append(objective)
             continue
@@ -493,6 +561,7 @@ def _priced(
     auxiliary: AuxiliaryColumns | None,
     options: SolverOptions,
     time_limit_s: float,
+    duals: np.ndarray | None = None,
 ) -> PricedPlan | None:
     """``search`` (solver/priced.py: ``priced_from_scratch`` before the relaxation, which a
     budget can make slow, or ``priced_plan`` after a fractional one) over the budget rows;
@@ -510,7 +579,8 @@ def _priced(
             lambda: _relaxation(highs, options),
             began + time_limit_s,
             options.integrality_tolerance,
-        )
+        ),
+        **({} if duals is None else {"duals": duals}),
     )
     logger.info("%s: %s (%.2f s)", search.__name__, found or "no plan", time.perf_counter() - began)
     return found
@@ -559,6 +629,10 @@ _FEASIBLE = 2  # HiGHS's kSolutionStatusFeasible: the values meet every row and 
 
 def _is_infeasible(status: str) -> bool:
     return "infeasible" in status.lower()
+
+
+def _timed_out(status: str) -> bool:
+    return "time limit" in status.lower()
 
 
 def solve(

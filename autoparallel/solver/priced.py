@@ -59,13 +59,14 @@ class PricedPlan:
         return f"a plan of {self.objective:.1f} us, {100 * gap:.2f}% above its bound"
 
 
-def priced_plan(search: PriceSearch) -> PricedPlan | None:
+def priced_plan(search: PriceSearch, duals: np.ndarray | None = None) -> PricedPlan | None:
     """An integral plan that meets every budget row (its bound: -inf, the caller has the
     relaxation's), or None. ``search.highs`` holds the model solved to its relaxation's
     optimum; the budget rows are priced at that optimum's duals, scaled. The model's costs
     and row bounds are restored before returning."""
     rows, indices = search.rows, search.budget_indices
-    duals = np.asarray(search.highs.getSolution().row_dual)
+    if duals is None:
+        duals = np.asarray(search.highs.getSolution().row_dual)
     price = _weighted_sum(rows, indices, -duals[indices], search.num_cols)
     if not np.any(price):
         return None  # no budget row binds at the relaxation's optimum
