@@ -26,10 +26,10 @@ from autoparallel.solver.highs import (
     _to_highs,
     solve,
 )
-from autoparallel.solver.priced import priced_plan
 from autoparallel.solver.memory import estimate_memory
 from autoparallel.solver.overlap import window_times
 from autoparallel.solver.plan import build_plan
+from autoparallel.solver.priced import priced_plan
 from autoparallel.types.tensors import TensorInfo
 
 CONFIG = llama_config("tiny")  # 2 layers
