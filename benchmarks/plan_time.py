@@ -43,6 +43,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
+from autoparallel.cli.common import parse_bytes
 from autoparallel.models import Llama, llama_config
 from autoparallel.models.moe import MoETransformer, moe_config
 
@@ -102,6 +103,14 @@ def halfway_budget(args, model, config, mesh, batch_sharded, mp_policy) -> tuple
     return reference, (free.memory.peak + smallest) / 2
 
 
+def gib_or_bytes(text: str) -> float:
+    """``--memory-budget`` in bytes: a bare number is GiB, else a byte count with its unit."""
+    try:
+        return float(text) * 2**30
+    except ValueError:
+        return parse_bytes(text, "--memory-budget", "halfway, GiB or ")
+
+
 def unfolded_size(problem) -> tuple[int, int]:
     """(variables, constraints) the problem would have without folding, without building it."""
     space, tables = problem.space, problem.tables
@@ -149,8 +158,9 @@ def main() -> None:
     parser.add_argument(
         "--memory-budget",
         default=None,
-        help="GiB per device for the whole step's peak (AdamW), instead of the parameter "
-        "memory constraint; or halfway (see above)",
+        help="the whole step's peak per device (AdamW) instead of the parameter memory "
+        "constraint: GiB (80) or bytes with a unit as `autoparallel plan` takes them (80GiB); "
+        "or halfway (see above)",
     )
     parser.add_argument(
         "--activation-checkpointing",
@@ -200,7 +210,7 @@ def main() -> None:
     if args.memory_budget == "halfway":
         reference, budget = halfway_budget(args, model, config, mesh, batch_sharded, mp_policy)
     elif args.memory_budget is not None:
-        budget = float(args.memory_budget) * 2**30
+        budget = gib_or_bytes(args.memory_budget)
 
     start = time.perf_counter()
     with session(
