@@ -49,7 +49,10 @@ def format_node(node: NodePlan) -> str:
 
 def log_plan(plan: Plan, level: int = logging.INFO, topology: Topology | None = None) -> None:
     """Emit the whole plan through Python logging (logger ``autoparallel.plan``), with the
-    hardware figures it was priced on when ``topology`` is given."""
+    hardware figures it was priced on when ``topology`` is given. Nothing is formatted when
+    the logger would drop ``level`` (a plan of LLaMA-3 8B has ~9,000 lines: 0.4 s)."""
+    if not logger.isEnabledFor(level):
+        return
     names = plan.mesh_dim_names or tuple(f"dim{i}" for i in range(len(plan.mesh_shape)))
     mesh = ", ".join(f"{n}={s}" for n, s in zip(names, plan.mesh_shape))
     logger.log(
