@@ -110,13 +110,13 @@ def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def all_gather_rows(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """Every rank's ``tensor`` of ``mesh_dim`` stacked along dim 0 in rank order, waited on."""
-    return _funcol.wait_tensor(_funcol.all_gather_tensor(tensor, 0, (mesh, mesh_dim)))
+    return _funcol.wait_tensor(_funcol.all_gather_single(tensor, 0, (mesh, mesh_dim)))
 
 
 def reduce_scatter_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """This rank's block of the sum of ``tensor`` over the ranks of ``mesh_dim``, where
     rank r (its coordinate along ``mesh_dim``) gets the r-th of equal blocks along dim 0."""
-    return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(tensor, "sum", 0, (mesh, mesh_dim)))
+    return _funcol.wait_tensor(_funcol.reduce_scatter_single(tensor, "sum", 0, (mesh, mesh_dim)))
 
 
 def shard_to_shard(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
@@ -559,7 +559,7 @@ def collective_all_to_all(
 def collective_all_gather(tensor: torch.Tensor, dim: int, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """Every rank's ``tensor`` of ``mesh_dim`` concatenated along ``dim``, waited on."""
     return _funcol.wait_tensor(
-        _funcol.all_gather_tensor(tensor.contiguous(), dim, (mesh, mesh_dim))
+        _funcol.all_gather_single(tensor.contiguous(), dim, (mesh, mesh_dim))
     )
 
 
@@ -568,7 +568,7 @@ def collective_reduce_scatter(
 ) -> torch.Tensor:
     """This rank's block along ``dim`` of the sum over the ranks of ``mesh_dim``, waited on."""
     return _funcol.wait_tensor(
-        _funcol.reduce_scatter_tensor(tensor.contiguous(), "sum", dim, (mesh, mesh_dim))
+        _funcol.reduce_scatter_single(tensor.contiguous(), "sum", dim, (mesh, mesh_dim))
     )
 
 
