@@ -3,6 +3,8 @@ their mistakes. (Training the MoE on gloo ranks is in test_runtime.py.)"""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autoparallel import AutoParallel, LocalMapError, collectives, local_map
 from autoparallel.cost.regions import region_cost_parts_us
 from autoparallel.models.moe import MOE_TINY, MoETransformer
+from autoparallel.regions.context import RegionScope, register_running_scope, scope_of
 from autoparallel.types.placements import placement_str
 
 
@@ -157,3 +160,19 @@ def test_the_cli_plans_the_moe_with_experts_over_ep(tmp_path):
     assert "region routed_experts at" in done.stdout
     page = html.read_text()
     assert 'id="regions"' in page and "routed_experts" in page and "all_to_all over ep" in page
+
+
+def test_compiled_code_finds_a_running_region_only_while_its_module_lives():
+    """Compiled code runs the region ops outside any phase's scope: they find the running
+    scope by key, which is registered weakly and unique to its trace, so nothing outlives
+    the parallel module that owns it and two traces never share a key."""
+    scope = RegionScope(None, recording=True)
+    assert scope.trace_id != RegionScope(None).trace_id
+    key = f"body#0@{scope.trace_id}"
+    scope.regions[key] = object()
+    assert scope_of(key) is None  # neither active nor registered
+    register_running_scope(scope)
+    assert scope_of(key) is scope
+    del scope
+    gc.collect()
+    assert scope_of(key) is None

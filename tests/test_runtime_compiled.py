@@ -8,9 +8,11 @@ import pytest
 from runtime_cases import check_parallel_training
 
 
-# the LLaMA's plan recomputes a layer and shards some parameters
+# the LLaMA's plan recomputes a layer and shards some parameters; the MoE runs its token
+# dispatch in local_map regions (opaque ops of the compiled graphs, each finding its body)
 @pytest.mark.parametrize(
-    "model_name,shape,kind", [("mlp", (2, 2), "tp"), ("llama", (2,), "recompute")]
+    "model_name,shape,kind",
+    [("mlp", (2, 2), "tp"), ("llama", (2,), "recompute"), ("moe", (2, 2), "expert-parallel")],
 )
 def test_compiled_training_matches_single_device(ranks, references, model_name, shape, kind):
     check_parallel_training(ranks, references(model_name), model_name, shape, kind, compiled=True)

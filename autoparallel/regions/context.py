@@ -11,11 +11,20 @@ variables, never module state that outlives the work):
 
 Outside both (the plain model on one device) ``local_map`` calls its function directly and
 every collective is the identity of a one-rank group.
+
+One more way to a region, for compiled code: under ``torch.compile`` the region ops run from
+the code Inductor generated (the forward) and from the autograd engine (the backward), outside
+any scope a phase can set. So a parallel module's running scope is also registered by its
+regions' keys (:func:`register_running_scope`), weakly: an entry lives exactly as long as
+the parallel module that owns the scope, and keys carry their trace's id, so two models in
+one process never meet.
 """
 
 from __future__ import annotations
 
 import contextlib
+import uuid
+import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -37,6 +46,7 @@ class RegionScope:
     regions: dict[str, LocalMapRegion] = field(default_factory=dict)
     recording: bool = False
     signatures: dict[Any, str] = field(default_factory=dict)
+    trace_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,8 @@ class BodyContext:
 
 _SCOPE: ContextVar[RegionScope | None] = ContextVar("autoparallel_region_scope", default=None)
 _BODY: ContextVar[BodyContext | None] = ContextVar("autoparallel_region_body", default=None)
+_RUNNING: weakref.WeakValueDictionary[str, RegionScope] = weakref.WeakValueDictionary()
+"""Key -> the running scope of the parallel module that owns it (see the module doc)."""
 
 
 @contextlib.contextmanager
@@ -64,6 +76,22 @@ def region_scope(scope: RegionScope) -> Iterator[RegionScope]:
 
 def active_scope() -> RegionScope | None:
     return _SCOPE.get()
+
+
+def register_running_scope(scope: RegionScope) -> None:
+    """Let region ops that run outside any scope (compiled code) find ``scope``'s regions by
+    key, for as long as something else holds ``scope``."""
+    for key in scope.regions:
+        _RUNNING[key] = scope
+
+
+def scope_of(key: str) -> RegionScope | None:
+    """The scope that knows region ``key``: the active one, else a running parallel
+    module's (:func:`register_running_scope`); None where neither knows it."""
+    scope = _SCOPE.get()
+    if scope is not None and key in scope.regions:
+        return scope
+    return _RUNNING.get(key)
 
 
 @contextlib.contextmanager

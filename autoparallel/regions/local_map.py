@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.utils._pytree import tree_flatten
 
 from autoparallel import _torch_internals as internals
-from autoparallel.regions.context import RegionScope, active_scope, body_context
+from autoparallel.regions.context import RegionScope, active_scope, body_context, scope_of
 from autoparallel.types.placements import Placements, placement_str
 from autoparallel.types.regions import LocalMapRegion, adjoint_placements
 from autoparallel.types.tensors import TensorInfo, local_shape
@@ -189,7 +189,7 @@ def _define(
     key = scope.signatures.get(signature)
     if key is not None:
         return scope.regions[key]
-    key = f"{getattr(func, '__qualname__', 'region')}#{len(scope.regions)}"
+    key = f"{getattr(func, '__qualname__', 'region')}#{len(scope.regions)}@{scope.trace_id}"
     definition = LocalMapRegion(
         key=key,
         func=body,
@@ -294,8 +294,8 @@ def _output_placements(given: Any, mesh: DeviceMesh, where: str) -> tuple[Placem
 
 
 def _region_of(key: str) -> tuple[LocalMapRegion, RegionScope]:
-    scope = active_scope()
-    if scope is None or key not in scope.regions:
+    scope = scope_of(key)
+    if scope is None:
         raise RuntimeError(
             f"local_map region {key!r} is not known here: region ops run only while an "
             "autoparallel model is traced or its parallel module runs"

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel import _torch_internals as internals
-from autoparallel.regions.context import RegionScope
+from autoparallel.regions.context import RegionScope, register_running_scope
 from autoparallel.runtime.coalesce import reduce_gradients
 from autoparallel.runtime.dynamic import ShapeVariants
 from autoparallel.runtime.executor import JointExecutor
@@ -178,6 +178,8 @@ class _Runtime:
             for node in joint.graph.find_nodes(op="get_attr")
         }
         regions = RegionScope(mesh, dict(joint.regions)) if joint.regions else None
+        if regions is not None:  # compiled code runs the region ops outside any phase
+            register_running_scope(regions)
         self.forward_phase = TracedPhase(
             "forward", self._forward_program, lambda: range(len(joint.params)), regions
         )
