@@ -27,6 +27,10 @@ of them, and takes each one's median step of the slowest rank
   ``predicted/measured`` under each variant;
 * ``free/best``: the free plan's measured time over the fastest pinned recipe's (<= 1.05
   means the planner's choice is as good as the best hand recipe on our runtime);
+* ``skew`` (``rank_ms`` in the JSON: each rank's own median step): how far the measured
+  step (the slowest rank's, step by step) lies above the largest of the ranks' own medians;
+  the ranks' misalignment at their collectives (see ``autoparallel.measure_step``), which
+  the plan does not price;
 * ``twin_spread``: how far apart the free plan and its twin measured, over the faster: two
   builds of one plan in one run, so this is the resolution of the run's measurements (on
   this 2-core VM the same plan, pinned as ``ddp`` and free, measured up to ~40 % apart).
@@ -151,11 +155,13 @@ def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) ->
             traceback.print_exc()
             results[variant] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
     times: dict[str, list[float]] = {variant: [] for variant in built}
+    rank_medians: dict[str, list[tuple[float, ...]]] = {variant: [] for variant in built}
     for round_index in range(args["rounds"]):
         warmup = args["warmup"] if round_index == 0 else 0
         for variant, run in built.items():
             timing = measure_step(run.step, run.plan, steps=args["steps"], warmup=warmup)
             times[variant] += timing.step_ms
+            rank_medians[variant].append(timing.rank_median_ms)
             if warmup:  # the phases of the timed steps only
                 for phase_times in run.phase_ms.values():
                     del phase_times[:warmup]
@@ -164,6 +170,7 @@ def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) ->
         results[variant] = {
             "status": "ok",
             "measured_ms": round(statistics.median(times[variant]), 3),
+            "rank_ms": [round(statistics.median(r), 3) for r in zip(*rank_medians[variant])],
             "predicted_ms": round(predicted, 3) if predicted is not None else None,
             "priced_on": run.plan.priced_on if run.plan is not None else None,
             "loss_last": run.losses[-1],
@@ -242,7 +249,10 @@ def summarize(results: dict) -> dict:
 
 def print_table(model: str, nproc: int, results: dict, summary: dict) -> None:
     print(f"\n{model}, {nproc} ranks", file=sys.stderr)
-    header = f"{'variant':<12} {'predicted ms':>12} {'measured ms':>12} {'error':>8}  placements"
+    header = (
+        f"{'variant':<12} {'predicted ms':>12} {'measured ms':>12} {'error':>8} {'skew':>6}  "
+        "placements"
+    )
     print(header, file=sys.stderr)
     for variant, r in results.items():
         if r["status"] != "ok":
@@ -250,10 +260,11 @@ def print_table(model: str, nproc: int, results: dict, summary: dict) -> None:
             continue
         predicted = r.get("predicted_ms")
         error = (predicted - r["measured_ms"]) / r["measured_ms"] if predicted is not None else None
+        skew = r["measured_ms"] / max(r["rank_ms"]) - 1 if r.get("rank_ms") else 0.0
         print(
             f"{variant:<12} {predicted if predicted is not None else '-':>12} "
-            f"{r['measured_ms']:>12} {f'{100 * error:+.0f} %' if error is not None else '-':>8}  "
-            f"{' '.join(r.get('placements', []))}",
+            f"{r['measured_ms']:>12} {f'{100 * error:+.0f} %' if error is not None else '-':>8} "
+            f"{f'{100 * skew:+.0f} %':>6}  {' '.join(r.get('placements', []))}",
             file=sys.stderr,
         )
         phases = r.get("phases_ms", {})

@@ -222,6 +222,8 @@ def test_measure_step_times_the_step_beside_the_prediction(fake_mesh):
     assert len(calls) == 6 and len(timing.step_ms) == 4
     assert timing.predicted_ms is None and timing.error is None
     assert str(timing).startswith("measured")
+    # this rank's own median is the only one here: no skew between ranks
+    assert timing.rank_median_ms[0] == pytest.approx(timing.median_ms) and timing.skew == 0.0
 
     model, mesh = meta(lambda: MLP(64, 256)), fake_mesh((2,))
     with AutoParallel(model, lambda: torch.randn(32, 64), mesh, hardware="cpu") as autop:
@@ -232,3 +234,19 @@ def test_measure_step_times_the_step_beside_the_prediction(fake_mesh):
     assert "priced on cpu" in str(timing)
     with pytest.raises(ValueError, match="steps >= 1"):
         measure_step(lambda: None, steps=0)
+
+
+def _uneven_steps(rank: int, world_size: int) -> tuple:
+    """Rank 1's step takes 20 ms longer than rank 0's: its own median says so."""
+    import time as clock
+
+    timing = measure_step(lambda: clock.sleep(0.02 * rank), steps=3, warmup=1)
+    return timing.rank_median_ms, timing.median_ms, timing.skew
+
+
+def test_measure_step_reports_every_ranks_own_median(ranks):
+    results = ranks(2).run(_uneven_steps)
+    medians, slowest, skew = results[0]
+    assert results[1][0] == medians  # every rank reports the same figures
+    assert len(medians) == 2 and medians[1] > medians[0] + 15.0
+    assert slowest >= medians[1] * 0.99 and skew >= -0.01

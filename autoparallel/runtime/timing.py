@@ -10,6 +10,11 @@ rank's median beside that promise, so a user can check it on their own model and
 
 Every rank must call it (it synchronizes the ranks with a barrier before each step and takes
 the slowest rank's time, as the slowest rank sets the pace of synchronous training).
+
+Each rank's own median is kept too (``rank_median_ms``): where the ranks leave a step's last
+collective at different moments (on an oversubscribed host the wake-up after it varies by a
+millisecond or more, and which rank is late changes from step to step), the slowest rank's
+median step lies above every rank's own median, and ``skew`` says by how much.
 """
 
 from __future__ import annotations
@@ -36,10 +41,19 @@ class StepTiming:
     predicted_ms: float | None  # the plan's total, None without a plan
     priced_on: str  # the hardware the prediction was priced on ("" without a plan)
     first_step_ms: float | None  # the first (untimed) step: tracing, compilation
+    rank_median_ms: tuple[float, ...] = ()  # each rank's own median step, in rank order
 
     @property
     def median_ms(self) -> float:
         return statistics.median(self.step_ms)
+
+    @property
+    def skew(self) -> float:
+        """How far the slowest rank's median step lies above the largest of the ranks' own
+        medians (0 on one rank): what the ranks' misalignment at their collectives costs."""
+        if not self.rank_median_ms:
+            return 0.0
+        return self.median_ms / max(self.rank_median_ms) - 1.0
 
     @property
     def error(self) -> float | None:
@@ -55,7 +69,14 @@ class StepTiming:
                 f", predicted {self.predicted_ms:.2f} ms ({100 * self.error:+.0f} %), "
                 f"priced on {self.priced_on}"
             )
+        if len(self.rank_median_ms) > 1:
+            text += (
+                f"; the ranks' own medians {self._rank_text()} ms (skew {100 * self.skew:+.0f} %)"
+            )
         return text
+
+    def _rank_text(self) -> str:
+        return " / ".join(f"{value:.2f}" for value in self.rank_median_ms)
 
 
 def measure_step(
@@ -88,6 +109,7 @@ def measure_step(
         predicted_ms=plan.totals.total_us / 1e3 if plan is not None else None,
         priced_on=plan.priced_on if plan is not None else "",
         first_step_ms=slowest[0] if warmup else None,
+        rank_median_ms=_every_rank(statistics.median(times[warmup:])),
     )
 
 
@@ -96,11 +118,27 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _slowest_rank(times_ms: list[float]) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         return times_ms
-    backend = dist.get_backend()
-    device = "cuda" if backend == "nccl" else "cpu"
-    tensor = torch.tensor(times_ms, dtype=torch.float64, device=device)
+    tensor = torch.tensor(times_ms, dtype=torch.float64, device=_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def _every_rank(value_ms: float) -> tuple[float, ...]:
+    """``value_ms`` of every rank, in rank order (this rank's alone without a process group)."""
+    if not _distributed():
+        return (value_ms,)
+    values = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=_device())
+    values[dist.get_rank()] = value_ms
+    dist.all_reduce(values)
+    return tuple(values.tolist())
