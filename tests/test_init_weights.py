@@ -67,6 +67,14 @@ def test_assigning_data_raises_with_what_to_do_instead(parallel_titan):
     ):
         with full_value_init(parallel_titan):
             parallel_titan.output.weight.data = torch.zeros(parallel_titan.output.weight.shape)
+    # a DTensor value would leave the shards as they were without a trace: raised at once
+    weight = parallel_titan.output.weight
+    zeros = distribute_tensor(
+        torch.zeros(weight.shape), weight.device_mesh, weight.placements, src_data_rank=None
+    )
+    with pytest.raises(InitError, match=r"output\.weight was assigned with `\.data"):
+        with full_value_init(parallel_titan):
+            weight.data = zeros
 
 
 def test_assigning_a_tensor_of_another_shape_or_placement_raises(parallel_titan):

@@ -20,8 +20,10 @@ values the unsharded model would have, each rank keeping its shard:
   keep this rank's shard, so the same seed gives the same values as one device. This costs
   one full-size temporary tensor at a time.
 * ``param.data = x`` cannot change a DTensor's values (it replaces only the wrapper's
-  metadata); the context raises :class:`InitError` when it sees one at its end, and so does
-  the parallel module's forward.
+  metadata, and a DTensor ``x`` leaves even that alike); inside the context it raises
+  :class:`InitError` at once, naming the tensor. Outside it, the parallel module's forward
+  raises for a plain ``x`` (the wrapper then holds a storage of its own); ``x`` a DTensor
+  there goes unseen.
 
 The hooks that catch assignments are torch's global registration hooks; they are installed
 for the duration of the context only and ignore modules outside the parallel module.
@@ -42,6 +44,7 @@ from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
     register_module_parameter_registration_hook,
 )
+from torch.overrides import TorchFunctionMode
 
 from autoparallel import _torch_internals as internals
 
@@ -77,6 +80,7 @@ def full_value_init(module: nn.Module) -> Iterator[None]:
             stack.callback(register_module_buffer_registration_hook(assignment).remove)
             stack.enter_context(implicit_replication())
             stack.enter_context(_FullRandomDraws())
+            stack.enter_context(_DataAssignments(module))
             yield
     finally:
         runtime.initializing = False
@@ -183,6 +187,25 @@ def copy_full_value(target: DTensor, full: torch.Tensor) -> None:
     )
     with torch.no_grad():
         local.copy_(internals.local_tensor_of(shard))
+
+
+class _DataAssignments(TorchFunctionMode):
+    """``planned.data = x`` on a parameter or buffer of the module raises :class:`InitError`
+    naming it: the assignment would leave the DTensor's shards as they were, silently where
+    ``x`` is a DTensor."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        planned = [*module.named_parameters(), *module.named_buffers()]
+        self.names = {id(tensor): name for name, tensor in planned}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func == _SET_DATA and args and id(args[0]) in self.names:
+            raise data_assignment_error(self.names[id(args[0])])
+        return func(*args, **(kwargs or {}))
+
+
+_SET_DATA = torch.Tensor.data.__set__
 
 
 class _FullRandomDraws(internals.TorchDispatchMode):
