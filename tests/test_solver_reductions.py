@@ -3,6 +3,7 @@ LP-first solving, the fast pair pricer behind the cost tables and the vectorized
 
 from __future__ import annotations
 
+import logging
 import math
 
 import highspy
@@ -16,6 +17,7 @@ from autoparallel import AutoParallel
 from autoparallel import _torch_internals as internals
 from autoparallel.cost import TRANSITION_COST_US, PairPricer, direct_redistribution_cost_us
 from autoparallel.models import MLP, Llama, llama_config
+from autoparallel.solver import highs as highs_solver
 from autoparallel.solver.highs import (
     SolverOptions,
     _all_rows,
@@ -190,6 +192,23 @@ def test_a_solve_from_an_earlier_basis_reaches_the_same_optimum(fake_mesh):
     problem.objective = problem.objective * 1.5 + 0.25  # other prices, same rows and columns
     cold = solve(problem, options)
     warm = solve(problem, options, warm_start=first)
+    assert warm.stats.objective == pytest.approx(cold.stats.objective, rel=1e-9)
+    assert first.warm_start.cold_s > 0  # what the first relaxation took from no basis
+
+
+def test_a_warm_start_that_does_not_pay_starts_again_cold(fake_mesh, monkeypatch, caplog):
+    """A refit's relaxation from the last basis that runs past its allowance (here none at
+    all) is dropped and solved from no basis: the same optimum as a cold solve."""
+    problem = _autop(fake_mesh((2, 2))).sharding_optimizer.problem
+    options = SolverOptions(lp_first_min_variables=0)
+    first = solve(problem, options)
+    problem.objective = problem.objective * 1.5 + 0.25
+    cold = solve(problem, options)
+    monkeypatch.setattr(highs_solver, "WARM_START_MIN_S", 0.0)
+    monkeypatch.setattr(highs_solver, "WARM_START_FACTOR", 0.0)
+    with caplog.at_level(logging.INFO, logger="autoparallel.solver.highs"):
+        warm = solve(problem, options, warm_start=first)
+    assert "starting it again cold" in caplog.text
     assert warm.stats.objective == pytest.approx(cold.stats.objective, rel=1e-9)
 
 
