@@ -259,7 +259,7 @@ def _run(
             _start_from(highs, warm_start.basis)
         budgeted = options.priced_search and any(row.budget for row in rows)
         status, cold_s = None, 0.0 if warm_start is None else warm_start.cold_s
-        if warm_start is None or warm_start.of_relaxation:
+        if warm_start is None or warm_start.of_relaxation or not budgeted:
             wait = min(remaining(), options.budget_relaxation_wait_s) if budgeted else remaining()
             status, cold_s = _first_relaxation(highs, options, wait, warm_start)
         found = None
