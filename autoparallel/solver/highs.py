@@ -258,11 +258,12 @@ def _run(
         if warm_start is not None:
             _start_from(highs, warm_start.basis)
         budgeted = options.priced_search and any(row.budget for row in rows)
-        status, cold_s = None, 0.0 if warm_start is None else warm_start.cold_s
+        status = None
+        cold_s = warm_start.cold_s if warm_start is not None else 0.0
         if warm_start is None or warm_start.of_relaxation or not budgeted:
             wait = min(remaining(), options.budget_relaxation_wait_s) if budgeted else remaining()
             status, cold_s = _first_relaxation(highs, options, wait, warm_start)
-        found = None
+        found, early = None, None  # the priced search from scratch's plan, if it runs
         if budgeted and (status is None or _timed_out(status)):
             # the relaxation of a binding budget is slow here: the priced search from
             # scratch finds a plan (with a bound) first, then the relaxation runs on
@@ -278,7 +279,6 @@ def _run(
                 return _Outcome(highs, "Optimal", elapsed, method, found.bound, early, basis)
             allow(highs, remaining())
             status = _relaxation(highs, options)
-        early = None if found is None else _Candidate(found.objective, found.values)
         basis = _Basis(highs.getBasis(), True, cold_s) if status.lower() == "optimal" else None
         if early is not None and status.lower() != "optimal" and not _is_infeasible(status):
             # the relaxation did not finish: the priced plan is the best there is
@@ -305,11 +305,11 @@ def _run(
                 at_duals = _priced(
                     priced_plan, highs, problem, rows, auxiliary, options, remaining(), duals
                 )
-                for found in (at_duals, early):
-                    if found is not None and (
-                        best is None or found.objective < best.plan.objective
+                for priced in (at_duals, early):
+                    if priced is not None and (
+                        best is None or priced.objective < best.plan.objective
                     ):
-                        candidate = _Candidate(found.objective, found.values)
+                        candidate = _Candidate(priced.objective, priced.values)
                         best = _Found(candidate, bound if best is None else best.bound, "lp+price")
             if best is not None:
                 if best.gap <= options.fix_gap:
