@@ -26,6 +26,7 @@ from autoparallel import AutoParallel, InputMismatchError, autoparallel_backend
 from autoparallel._testing.harness import full_grads, full_params
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.models.moe import MOE_TINY, MoETransformer
+from autoparallel.regions.local_map import region_forward_op
 from autoparallel.types.placements import placement_str
 
 LLAMA = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512)
@@ -95,12 +96,22 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
             optimizer = autop.sharding_optimizer
             for node in optimizer.problem.joint.params.values():
                 optimizer.add_node_constraint(node, (Replicate(),) * mesh.ndim)
+        if kind == "tokens-replicated":  # the region's free dp dim: every dp rank all tokens
+            _pin_region_layout(autop.sharding_optimizer, ((Replicate(), Shard(0)),))
         if kind == "recompute":  # a budget only recomputing a layer meets
             budget = budget_only_recomputing_meets(autop.sharding_optimizer)
             autop.add_memory_constraint(budget, activation_checkpointing="auto")
         plan = autop.optimize_placement()
         parallel = autop.apply_placement(plan)
     return plan, parallel
+
+
+def _pin_region_layout(optimizer, outputs) -> None:
+    """Every call of the model's region to the layout that gives ``outputs``."""
+    for node in optimizer.problem.joint.graph.find_nodes(
+        op="call_function", target=region_forward_op
+    ):
+        optimizer.add_placement_constraint(node, outputs, f"layout of {node.name}", node.name)
 
 
 def _gather_heads_before_transpose(optimizer) -> None:
@@ -184,6 +195,11 @@ def _train(
         "recompute": plan.recompute,
         "param_placements": {k: placement_str(v) for k, v in plan.param_placements.items()},
     }
+    result["region_layouts"] = sorted(
+        placement_str(n.strategy.output)
+        for n in plan.nodes.values()
+        if n.target.endswith("local_map.default")
+    )
     result["layers_traced_once"] = any("identical layers" in message for message in trace_logs)
     result["constrained"] = sorted(
         placement_str(n.strategy.output)
@@ -617,9 +633,12 @@ def check_parallel_training(
             assert any("mesh dims 0, 1" in d for d in rank0["gradient_buckets"])
     elif kind == "recompute":
         assert rank0["recompute"], "the budget needs a recomputed layer"
-    elif kind == "expert-parallel":  # the routed experts are split over "ep" by the region
+    elif kind in ("expert-parallel", "tokens-replicated"):  # the experts split over "ep"
         experts = {name: p for name, p in placements.items() if ".experts." in name}
         assert experts and all(p.endswith("S(0)") for p in experts.values()), experts
+        # the tokens are free over dp: split with the batch, or pinned replicated there
+        layout = "(S(0)S(0))" if kind == "expert-parallel" else "(RS(0))"
+        assert set(rank0["region_layouts"]) == {layout}, rank0["region_layouts"]
     else:
         assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), (
             placements

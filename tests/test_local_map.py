@@ -10,23 +10,25 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoparallel import AutoParallel, LocalMapError, collectives, local_map
+from autoparallel import AutoParallel, LocalMapError, collectives, current_mesh, local_map
 from autoparallel.cost.regions import region_cost_parts_us
 from autoparallel.models.moe import MOE_TINY, MoETransformer
 from autoparallel.regions.context import RegionScope, register_running_scope, scope_of
 from autoparallel.types.placements import placement_str
 
 
-def _plan_moe(mesh):
+def _plan_moe(mesh, inputs=None):
     with torch.device("meta"):
         model = MoETransformer(MOE_TINY)
     with AutoParallel(model, lambda: torch.randint(0, 256, (8, 16)), mesh) as autop:
+        if inputs is not None:
+            autop.add_input_constraints([inputs])
         plan = autop.optimize_placement()
     return autop, plan
 
 
 def test_moe_experts_are_split_over_ep_and_their_gradients_reduced_over_dp(fake_mesh):
-    autop, plan = _plan_moe(fake_mesh((2, 2), ("dp", "ep")))
+    autop, plan = _plan_moe(fake_mesh((2, 2), ("dp", "ep")), (Shard(0), Replicate()))
     experts = {k: v for k, v in plan.param_placements.items() if ".experts." in k}
     assert len(experts) == 6 and all(
         isinstance(p[1], Shard) and p[1].dim == 0 for p in experts.values()
@@ -43,14 +45,14 @@ def test_moe_experts_are_split_over_ep_and_their_gradients_reduced_over_dp(fake_
     assert grads[-3:] == ["P(sum)S(0)"] * 3
     # the dispatch's all-to-alls are profiled and priced: counts, rows, rows back; the
     # backward re-runs them and sends the two float exchanges' gradients back
-    profile = region.profile
+    profile = region.layouts[0].profile
     assert [c.kind for c in profile.forward_collectives] == ["all_to_all"] * 3
     assert [c.kind for c in profile.backward_collectives] == ["all_to_all"] * 5
     assert {c.mesh_dim for c in profile.forward_collectives} == {1}
     assert any("grouped_mm" in str(op.op) or "mm" in str(op.op) for op in profile.forward_ops)
     # the plan counts those all-to-alls as communication, not as the region's compute
     for node, backward_op in ((forward, False), (backward, True)):
-        compute, comm = region_cost_parts_us(region, backward_op, autop.topology)
+        compute, comm = region_cost_parts_us(region.layouts[0], backward_op, autop.topology)
         assert comm > 0 and node.collectives_us == pytest.approx(comm)
         assert node.compute_us == pytest.approx(compute)
         assert node.comm_us >= comm
@@ -109,6 +111,83 @@ def test_contradictory_region_placements_are_named(
     assert message in str(error.value)
 
 
+class _Rows(nn.Module):
+    """A linear, then a region over rows that leaves every mesh dim free for them (the
+    weight stays replicated)."""
+
+    def __init__(self, body=_body):
+        super().__init__()
+        self.proj = nn.Linear(256, 256)
+        self.w = nn.Parameter(torch.randn(256, 256))
+        self.body = body
+
+    def forward(self, x):
+        free = (None,) * current_mesh().ndim
+        replicated = (Replicate(),) * current_mesh().ndim
+        region = local_map(self.body, out_placements=free, in_placements=(free, replicated))
+        return region(self.proj(x), self.w)
+
+
+def _region_ops(plan):
+    forward = next(n for n in plan.nodes.values() if n.target.endswith("local_map.default"))
+    backward = next(n for n in plan.nodes.values() if "local_map_backward" in n.target)
+    return forward, backward
+
+
+@pytest.mark.parametrize(
+    "batch,hardware,layout",
+    [
+        ((Shard(0),), "cpu", "S(0)"),  # the batch comes split: the region runs on its rows
+        # the batch comes and goes whole, and on a GPU the rows' compute is cheaper than
+        # gathering them back: every rank runs the region on all of them
+        ((Replicate(),), "h100", "R"),
+    ],
+)
+def test_the_planner_resolves_a_free_mesh_dim(fake_mesh, batch, hardware, layout):
+    """A None placement leaves its mesh dim to the planner: the region's rows split there
+    or replicated, whichever the plan around it makes cheaper, each priced at its own
+    local shapes."""
+    mesh = fake_mesh((2,), ("dp",))
+    with AutoParallel(_Rows(), lambda: torch.randn(1024, 256), mesh, hardware=hardware) as autop:
+        autop.add_input_constraints([batch])
+        autop.add_output_constraints([batch])
+        plan = autop.optimize_placement()
+    (region,) = autop.joint.regions.values()
+    assert region.free_mesh_dims == (0,)
+    assert [lay.free for lay in region.layouts] == [((0, "S(0)"),), ((0, "R"),)]
+    assert [lay.local_inputs[0].shape for lay in region.layouts] == [(512, 256), (1024, 256)]
+    forward, backward = _region_ops(plan)
+    assert placement_str(forward.strategy.output) == f"({layout})"
+    assert placement_str(forward.strategy.inputs[1]) == "R"  # declared: not the planner's
+    # gradients are each rank's share: split rows' as the rows, replicated ones' Partial
+    rows_grad = "S(0)" if layout == "S(0)" else "P(sum)"
+    assert [placement_str(p) for p in backward.strategy.output] == [rows_grad, "P(sum)"]
+    split, whole = (region_cost_parts_us(lay, False, autop.topology)[0] for lay in region.layouts)
+    assert 0 < split <= whole and (split < whole or hardware == "h100")  # h100: per-op floor
+    assert forward.compute_us == pytest.approx(split if layout == "S(0)" else whole)
+
+
+def test_a_free_mesh_dim_that_cannot_split_the_rows_stays_replicated(fake_mesh):
+    mesh = fake_mesh((2,), ("dp",))
+    with AutoParallel(_Rows(), lambda: torch.randn(3, 256), mesh) as autop:
+        plan = autop.optimize_placement()
+    (region,) = autop.joint.regions.values()
+    assert [lay.free for lay in region.layouts] == [((0, "R"),)]
+    forward, _ = _region_ops(plan)
+    assert placement_str(forward.strategy.output) == "(R)"
+
+
+def _reduced_over_dp(x, w):
+    return collectives.all_reduce(_body(x, w), "dp")
+
+
+def test_a_collective_over_a_free_mesh_dim_is_named(fake_mesh):
+    mesh = fake_mesh((2,), ("dp",))
+    with pytest.raises(LocalMapError, match="issues all_reduce over mesh dim 0, which its"):
+        with AutoParallel(_Rows(_reduced_over_dp), lambda: torch.randn(16, 256), mesh):
+            pass
+
+
 def test_outside_planning_a_region_is_a_plain_call_and_collectives_are_identities():
     x = torch.randn(4, 8)
     w = torch.randn(8, 8)
@@ -119,6 +198,21 @@ def test_outside_planning_a_region_is_a_plain_call_and_collectives_are_identitie
     assert collectives.mesh_dim_size("ep") == 1
     assert collectives.all_to_all(x, "ep", torch.tensor([4]), torch.tensor([4])) is x
     assert collectives.all_reduce(x, "dp") is x
+
+
+@pytest.mark.parametrize("rows", [Shard(0), Replicate()])
+def test_on_dtensors_a_free_mesh_dim_follows_the_arguments(fake_mesh, rows):
+    """Outside planning, DTensor arguments go to torch's local_map with each free mesh dim
+    resolved as the free arguments lie."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = fake_mesh((2,), ("dp",))
+    x = DTensor.from_local(torch.randn(4, 8), mesh, (rows,))
+    w = DTensor.from_local(torch.randn(8, 8), mesh, (Replicate(),))
+    region = local_map(_body, out_placements=(None,), in_placements=((None,), (Replicate(),)))
+    out = region(x, w)
+    assert out.placements == (rows,)
+    assert torch.equal(out.to_local(), _body(x.to_local(), w.to_local()))
 
 
 def test_adjoint_gradient_placements():
@@ -152,7 +246,14 @@ def test_the_cli_plans_the_moe_with_experts_over_ep(tmp_path):
     file, line = region["source"].rsplit(":", 1)
     assert file.endswith("models/moe.py") and line.isdigit()
     assert [i["placements"] for i in region["inputs"]][-3:] == ["RS(0)"] * 3  # experts over ep
-    assert region["outputs"] == [{"placements": "S(0)S(0)"}]
+    assert [o["placements"] for o in region["outputs"]] == ["S(0)S(0)"]
+    # tokens are free over dp: the plan splits them there, as the batch comes
+    assert region["free_mesh_dims"] == [0]
+    assert [(lay["free"], lay["instances"]) for lay in region["layouts"]] == [
+        ({"0": "S(0)"}, 1),
+        ({"0": "R"}, 0),
+    ]
+    assert "free mesh dims dp: dp=S(0) x1, dp=R x0" in done.stdout
     forward = region["forward"]
     assert {c["kind"] for c in forward["collectives"]} == {"all_to_all"}
     assert all(c["mesh_dim"] == 1 for c in forward["collectives"])  # over "ep"

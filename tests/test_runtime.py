@@ -33,6 +33,7 @@ from runtime_cases import (
         ("llama-deep", (2,), "fsdp"),  # its graph is built from 3 and 4 traced layers
         ("llama", (2,), "recompute"),  # layers the solver chose to recompute in the backward
         ("moe", (2, 2), "expert-parallel"),  # local_map dispatch: all-to-alls over "ep"
+        ("moe", (2, 2), "tokens-replicated"),  # the same region, its free dp dim replicated
     ],
 )
 def test_parallel_training_matches_single_device(ranks, references, model_name, shape, kind):

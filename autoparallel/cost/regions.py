@@ -1,6 +1,7 @@
 """The time of a ``local_map`` region's ops on one rank, from its body's profile.
 
-A region's node has one strategy, so its price is one number per op: the roofline time of
+A region's node has one strategy per layout (regions/layouts.py), each priced from the
+body's profile at that layout's local shapes: the roofline time of
 each ATen op its body ran on local shapes (cost/compute.py) plus each collective it issued
 (cost/collectives.py) on the mesh dim it named. The backward op re-runs the forward, so its
 price includes the forward's ops and collectives again. The collectives are charged inside
@@ -17,7 +18,7 @@ from autoparallel.cost.collectives import (
 )
 from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.topology import Topology
-from autoparallel.types.regions import CollectiveRecord, LocalMapRegion, OpRecord
+from autoparallel.types.regions import CollectiveRecord, OpRecord, RegionLayout
 
 _COLLECTIVE_PRICES = {
     "all_to_all": all_to_all_us,
@@ -27,17 +28,18 @@ _COLLECTIVE_PRICES = {
 }
 
 
-def region_cost_us(region: LocalMapRegion, backward: bool, topology: Topology) -> float:
-    """Time of the region's forward op (``backward`` False) or backward op on one rank."""
-    return sum(region_cost_parts_us(region, backward, topology))
+def region_cost_us(layout: RegionLayout, backward: bool, topology: Topology) -> float:
+    """Time of a region's forward op (``backward`` False) or backward op on one rank, run
+    in ``layout``."""
+    return sum(region_cost_parts_us(layout, backward, topology))
 
 
 def region_cost_parts_us(
-    region: LocalMapRegion, backward: bool, topology: Topology
+    layout: RegionLayout, backward: bool, topology: Topology
 ) -> tuple[float, float]:
     """(ops, collectives) of :func:`region_cost_us`: what the body computes and what its own
     collectives take, apart (for the plan's report)."""
-    profile = region.profile
+    profile = layout.profile
     if profile is None:
         return 0.0, 0.0
     ops, collectives = (

@@ -212,11 +212,13 @@ def _price_pairs(
 def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCache) -> list[float]:
     node = ns.node
     region = node.meta.get("local_map_region")
-    if region is not None:  # one strategy, priced from the body's profile
+    if region is not None:  # a strategy per layout, priced from its profile
         key = ("local_map", region.key, node.target is region_backward_op)
         if key not in price_cache.compute:
-            price_cache.compute[key] = [region_cost_us(region, key[2], topology)]
-        return price_cache.compute[key] * len(ns.strategies)
+            price_cache.compute[key] = [
+                region_cost_us(layout, key[2], topology) for layout in region.layouts
+            ]
+        return price_cache.compute[key]
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return [0.0] * len(ns.strategies)
     node_key = (

@@ -44,7 +44,9 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from autoparallel.cost.regions import region_cost_parts_us
 from autoparallel.cost.topology import Topology
+from autoparallel.regions.layouts import declared_str
 from autoparallel.regions.local_map import region_backward_op
+from autoparallel.strategies.regions import layout_strategy
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi, placement_str
 from autoparallel.types.plan import ArgumentCost, NodePlan, Plan
@@ -528,50 +530,85 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
         "memory": data["memory"],
         "fallbacks": data["fallbacks"],
         "constraints": {name: c.description for name, c in problem.user_constraints.items()},
-        "regions": _regions(joint, topology),
+        "regions": _regions(joint, plan, topology),
     }
 
 
-def _regions(joint: JointGraph, topology: Topology) -> list[dict[str, Any]]:
-    """One entry per ``local_map`` region (identical layers share one), in graph order."""
+def _regions(joint: JointGraph, plan: Plan, topology: Topology) -> list[dict[str, Any]]:
+    """One entry per ``local_map`` region (identical layers share one), in graph order: its
+    placements and prices in the layout most of its calls run in (``layouts`` lists every
+    layout when the region leaves mesh dims free, with how many calls the plan runs in it)."""
     regions: dict[str, Any] = {}
-    instances: dict[str, int] = {}
+    chosen: dict[str, list[int]] = {}  # key -> calls per layout
     for node in joint.graph.nodes:
         region = node.meta.get("local_map_region")
         if region is None or node.target is region_backward_op:
             continue
         regions.setdefault(region.key, region)
-        instances[region.key] = instances.get(region.key, 0) + 1
-    return [
-        {
-            "key": key,
-            "function": getattr(region.func, "__qualname__", repr(region.func)),
-            "source": region.source,
-            "instances": instances[key],
-            "inputs": [
-                {
-                    "placements": placement_str(tuple(placements)),
-                    "gradient": placement_str(tuple(grad)) if differentiable else None,
-                    "local_shape": list(info.shape),
-                }
-                for placements, grad, differentiable, info in zip(
-                    region.in_placements,
-                    region.in_grad_placements,
-                    region.differentiable,
-                    region.local_inputs,
-                )
-            ],
-            "outputs": [{"placements": placement_str(tuple(p))} for p in region.out_placements],
-            "forward": _region_op(region, False, topology),
-            "backward": _region_op(region, True, topology),
-        }
-        for key, region in regions.items()
-    ]
+        calls = chosen.setdefault(region.key, [0] * len(region.layouts))
+        calls[_layout_of(node, region, plan)] += 1
+    return [_region(region, chosen[key], topology) for key, region in regions.items()]
 
 
-def _region_op(region: Any, backward: bool, topology: Topology) -> dict[str, Any]:
-    compute, comm = region_cost_parts_us(region, backward, topology)
-    profile = region.profile
+def _layout_of(node: Any, region: Any, plan: Plan) -> int:
+    strategy = plan.nodes[node.name].strategy
+    return next(
+        (
+            i
+            for i, layout in enumerate(region.layouts)
+            if layout_strategy(node, region, layout) == strategy
+        ),
+        0,
+    )
+
+
+def _region(region: Any, calls: list[int], topology: Topology) -> dict[str, Any]:
+    index = max(range(len(calls)), key=lambda i: calls[i])
+    layout = region.layouts[index]
+    entry = {
+        "key": region.key,
+        "function": getattr(region.func, "__qualname__", repr(region.func)),
+        "source": region.source,
+        "instances": sum(calls),
+        "free_mesh_dims": list(region.free_mesh_dims),
+        "inputs": [
+            {
+                "placements": placement_str(tuple(placements)),
+                "declared": declared_str(declared),
+                "gradient": placement_str(tuple(grad)) if differentiable else None,
+                "local_shape": list(info.shape),
+            }
+            for placements, declared, grad, differentiable, info in zip(
+                layout.in_placements,
+                region.in_placements,
+                layout.in_grad_placements,
+                region.differentiable,
+                layout.local_inputs,
+            )
+        ],
+        "outputs": [
+            {"placements": placement_str(tuple(p)), "declared": declared_str(d)}
+            for p, d in zip(layout.out_placements, region.out_placements)
+        ],
+        "forward": _region_op(layout, False, topology),
+        "backward": _region_op(layout, True, topology),
+    }
+    if len(region.layouts) > 1:
+        entry["layouts"] = [
+            {
+                "free": {str(d): p for d, p in other.free},
+                "instances": count,
+                "forward": _region_op(other, False, topology),
+                "backward": _region_op(other, True, topology),
+            }
+            for other, count in zip(region.layouts, calls)
+        ]
+    return entry
+
+
+def _region_op(layout: Any, backward: bool, topology: Topology) -> dict[str, Any]:
+    compute, comm = region_cost_parts_us(layout, backward, topology)
+    profile = layout.profile
     records = (
         ()
         if profile is None

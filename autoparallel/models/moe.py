@@ -7,7 +7,9 @@ grouped matmul. Which expert a token goes to depends on the data, so no sharding
 derive the dispatch: it is written for local tensors in :func:`routed_experts` and wrapped
 with :func:`autoparallel.local_map`, with these placements on the mesh being planned for:
 
-* tokens, routing weights and chosen experts: sharded on the token dim over every mesh dim;
+* tokens, routing weights and chosen experts: sharded on the token dim over the mesh dim
+  named ``config.ep_dim``, and free over the others (``None``: each token is routed on its
+  own, so the planner splits them or replicates them there, see ``types/regions.py``);
 * the routed experts' weights: sharded on the expert dim over the mesh dim named
   ``config.ep_dim`` (expert parallelism: each rank of it holds ``num_experts / ep`` experts),
   replicated over the others (their gradients are Partial there: the planner reduces them,
@@ -196,7 +198,11 @@ class MoE(nn.Module):
         if mesh is None:
             return routed_experts
         names = mesh.mesh_dim_names or ()
-        by_token = tuple(Shard(0) for _ in range(mesh.ndim))
+        # tokens split over ep (the dispatch exchanges them there); free elsewhere: each
+        # token is routed on its own, so the planner may split or replicate them
+        by_token = tuple(Shard(0) if name == self.ep_dim else None for name in names)
+        if len(by_token) != mesh.ndim:
+            by_token = (None,) * mesh.ndim
         by_expert = tuple(Shard(0) if name == self.ep_dim else Replicate() for name in names)
         if len(by_expert) != mesh.ndim:  # an unnamed mesh: no expert parallelism
             by_expert = tuple(Replicate() for _ in range(mesh.ndim))

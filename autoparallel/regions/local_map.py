@@ -44,9 +44,15 @@ from torch.utils._pytree import tree_flatten
 
 from autoparallel import _torch_internals as internals
 from autoparallel.regions.context import RegionScope, active_scope, body_context, scope_of
-from autoparallel.types.placements import Placements, placement_str
+from autoparallel.regions.layouts import (
+    declared_str,
+    free_mesh_dims,
+    region_layouts,
+    resolve_free,
+)
+from autoparallel.types.placements import Placements
 from autoparallel.types.regions import LocalMapRegion, adjoint_placements
-from autoparallel.types.tensors import TensorInfo, local_shape
+from autoparallel.types.tensors import TensorInfo
 
 __all__ = ["LocalMapError", "local_map", "region_forward_op", "region_backward_op"]
 
@@ -121,13 +127,38 @@ def local_map(
 
 
 def _torch_local_map(func, out_placements, in_placements, in_grad, mesh, args, kwargs) -> Any:
+    """torch's own ``local_map`` on DTensor arguments, each free mesh dim resolved as the
+    arguments lie: ``Shard(0)`` where a free argument is split on dim 0 there, else
+    ``Replicate()``."""
     from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+    leaves = tree_flatten(args)[0]
+    declared = list(in_placements or ())
+    entries = [e for e in declared if _is_placements(e)]
+    outs = (out_placements,) if _is_placements(out_placements) else tuple(out_placements or ())
+    grads = [e for e in (in_grad or ()) if _is_placements(e)]
+    chosen = {}
+    for d in free_mesh_dims(entries, outs, grads):
+        split = any(
+            isinstance(leaf, DTensor) and leaf.placements[d] == Shard(0)
+            for leaf, entry in zip(leaves, declared)
+            if _is_placements(entry) and entry[d] is None
+        )
+        chosen[d] = Shard(0) if split else Replicate()
+
+    def resolved(entry: Any) -> Any:
+        return resolve_free(entry, chosen) if _is_placements(entry) else entry
 
     return torch_local_map(
         func,
-        out_placements=out_placements,
-        in_placements=in_placements,
-        in_grad_placements=in_grad,
+        # torch reads a tuple as one entry per output: one output's placements go as a list
+        out_placements=(
+            list(resolved(out_placements))
+            if _is_placements(out_placements)
+            else tuple(resolved(e) for e in out_placements)
+        ),
+        in_placements=None if in_placements is None else tuple(resolved(e) for e in declared),
+        in_grad_placements=None if in_grad is None else tuple(resolved(e) for e in in_grad),
         device_mesh=mesh,
         redistribute_inputs=True,
     )(*args, **kwargs)
@@ -164,27 +195,36 @@ def _define(
     in_tensor = tuple(
         _checked(inputs[i], leaves[i], mesh, f"{where}: argument {i}") for i in tensor_positions
     )
-    if in_grad_placements is None:
-        in_grad = tuple(adjoint_placements(p) for p in in_tensor)
-    else:
+    in_grad = None
+    if in_grad_placements is not None:
         grads = _per_argument(in_grad_placements, leaves, "in_grad_placements", where)
         in_grad = tuple(
             _checked(grads[i], leaves[i], mesh, f"{where}: gradient of argument {i}")
             for i in tensor_positions
         )
     outputs = _output_placements(out_placements, mesh, where)
+    mesh_shape = tuple(mesh.shape)
+
+    def local_inputs(resolved: tuple[Placements, ...]) -> tuple[TensorInfo, ...]:
+        infos = []
+        for i, placements in zip(tensor_positions, resolved):
+            what = f"{where}: argument {i}"
+            shape = list(leaves[i].shape)
+            for mesh_dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):
+                    shape = _sharded(shape, placement.dim, mesh_dim, mesh_shape[mesh_dim], what)
+            infos.append(TensorInfo(tuple(shape), leaves[i].dtype))
+        return tuple(infos)
+
+    layouts = region_layouts(in_tensor, in_grad, outputs, local_inputs)
     body = functools.partial(func, **kwargs) if kwargs else func
     constants = tuple(None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
-    local_inputs = tuple(
-        TensorInfo(local_shape(leaves[i].shape, p, tuple(mesh.shape)), leaves[i].dtype)
-        for i, p in zip(tensor_positions, in_tensor)
-    )
     signature = (
         getattr(func, "__func__", func),
         repr(kwargs),
         repr(constants),
         repr((in_tensor, in_grad, outputs)),
-        local_inputs,
+        tuple(layout.local_inputs for layout in layouts),
     )
     key = scope.signatures.get(signature)
     if key is not None:
@@ -198,10 +238,13 @@ def _define(
         constants=constants,
         tensor_positions=tensor_positions,
         in_placements=in_tensor,
-        in_grad_placements=in_grad,
+        in_grad_placements=(
+            in_grad if in_grad is not None else tuple(adjoint_placements(p) for p in in_tensor)
+        ),
         out_placements=outputs,
         differentiable=tuple(leaves[i].dtype.is_floating_point for i in tensor_positions),
-        local_inputs=local_inputs,
+        layouts=layouts,
+        free_mesh_dims=free_mesh_dims(in_tensor, outputs, in_grad or ()),
     )
     scope.signatures[signature] = key
     scope.regions[key] = definition
@@ -236,7 +279,13 @@ def _per_argument(given: Any, leaves: list, name: str, where: str) -> tuple:
 
 
 def _is_placements(value: Any) -> bool:
-    return isinstance(value, Sequence) and all(isinstance(p, Placement) for p in value)
+    """One placement (or None: a free mesh dim) per mesh dim."""
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and len(value) > 0
+        and all(p is None or isinstance(p, Placement) for p in value)
+    )
 
 
 def _checked(placements: Any, tensor: torch.Tensor, mesh: DeviceMesh, what: str) -> Placements:
@@ -244,16 +293,18 @@ def _checked(placements: Any, tensor: torch.Tensor, mesh: DeviceMesh, what: str)
     if not _is_placements(placements):
         raise LocalMapError(
             f"{what} is a tensor: give it placements (one Shard/Replicate/Partial per mesh "
-            f"dim), got {placements!r}"
+            f"dim, or None where the planner may choose), got {placements!r}"
         )
     placements = tuple(placements)
     if len(placements) != mesh.ndim:
         raise LocalMapError(
             f"{what}: {len(placements)} placements for a {mesh.ndim}-D mesh "
-            f"({placement_str(placements)})"
+            f"({declared_str(placements)})"
         )
     shape = list(tensor.shape)
     for mesh_dim, placement in enumerate(placements):
+        if placement is None:  # free: checked per layout (regions/layouts.py)
+            continue
         if not isinstance(placement, (Shard, Replicate, Partial)):
             raise LocalMapError(f"{what}: unsupported placement {placement!r}")
         if isinstance(placement, Shard):
@@ -340,7 +391,10 @@ def _region_forward(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]
 def _(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     region, scope = _region_of(key)
     if scope.recording:  # planning: global inputs in, global outputs out
-        tensors = [t.new_empty(info.shape) for t, info in zip(tensors, region.local_inputs)]
+        # any layout: a free entry's batch split gives the same global shapes as its
+        # replication (see types/regions.py)
+        local = region.layouts[0].local_inputs
+        tensors = [t.new_empty(info.shape) for t, info in zip(tensors, local)]
     with body_context(scope.mesh, balanced=True):
         flat = _flat_outputs(region, region.func(*region.arguments(tensors)))
     if not scope.recording:
@@ -348,7 +402,7 @@ def _(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     mesh_shape = tuple(scope.mesh.shape)
     return [
         out.new_empty(_global_shape(out.shape, p, mesh_shape))
-        for out, p in zip(flat, region.out_placements)
+        for out, p in zip(flat, region.layouts[0].out_placements)
     ]
 
 

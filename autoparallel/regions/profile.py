@@ -18,7 +18,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel import _torch_internals as internals
 from autoparallel.regions.context import body_context
-from autoparallel.types.regions import CollectiveRecord, LocalMapRegion, OpRecord, RegionProfile
+from autoparallel.regions.local_map import LocalMapError
+from autoparallel.types.regions import (
+    CollectiveRecord,
+    LocalMapRegion,
+    OpRecord,
+    RegionLayout,
+    RegionProfile,
+)
 from autoparallel.types.tensors import TensorInfo
 
 _WAIT = "_c10d_functional.wait_tensor"
@@ -56,14 +63,15 @@ def _infos(tree: Any) -> Any:
     return tree_map(lambda x: TensorInfo.of(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
-def profile_region(region: LocalMapRegion, mesh: DeviceMesh) -> RegionProfile:
-    """The ops and collectives of ``region``'s forward op and of its backward op on one rank."""
+def profile_region(region: LocalMapRegion, layout: RegionLayout, mesh: DeviceMesh) -> RegionProfile:
+    """The ops and collectives of ``region``'s forward op and of its backward op on one rank,
+    with its arguments at ``layout``'s local shapes."""
     group_dims = {internals.group_name_of(mesh, dim): dim for dim in range(mesh.ndim)}
     fake_mode = internals.new_fake_mode()
     with fake_mode:
         inputs = [
             torch.empty(info.shape, dtype=info.dtype).requires_grad_(differentiable)
-            for info, differentiable in zip(region.local_inputs, region.differentiable)
+            for info, differentiable in zip(layout.local_inputs, region.differentiable)
         ]
     forward, backward = _Recorder(group_dims), _Recorder(group_dims)
     with fake_mode, body_context(mesh, balanced=True):
@@ -83,3 +91,20 @@ def profile_region(region: LocalMapRegion, mesh: DeviceMesh) -> RegionProfile:
         tuple(backward.ops),
         tuple(backward.collectives),
     )
+
+
+def check_free_dims(region: LocalMapRegion) -> None:
+    """Raise LocalMapError where a profiled body issues a collective over a mesh dim its
+    placements leave free: a free dim's batch split would change what that collective
+    exchanges (see :class:`~autoparallel.types.regions.LocalMapRegion`)."""
+    for layout in region.layouts:
+        profile = layout.profile
+        if profile is None:
+            continue
+        for record in profile.forward_collectives + profile.backward_collectives:
+            if record.mesh_dim in region.free_mesh_dims:
+                raise LocalMapError(
+                    f"local_map region at {region.source}: its body issues {record.kind} over "
+                    f"mesh dim {record.mesh_dim}, which its placements leave free (None); give "
+                    "that mesh dim's placements explicitly"
+                )

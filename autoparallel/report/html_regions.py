@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autoparallel.report import template as t
+from autoparallel.report.text import free_layouts_text
 
 
 def regions_section(data: Mapping[str, Any], dims: Sequence[str]) -> str:
@@ -40,7 +41,8 @@ def regions_section(data: Mapping[str, Any], dims: Sequence[str]) -> str:
         t.table(headers, rows),
         "local_map regions: the planner keeps their placements and prices their bodies on "
         "local shapes. A phase's time is the body's ops + its own collectives, per run on "
-        "one rank.",
+        "one rank. A mesh dim a region leaves free (None) is the planner's: the placements "
+        "shown are those most runs take, and the layouts each run takes are listed.",
     )
 
 
@@ -59,7 +61,7 @@ def _row(region: Mapping[str, Any], dims: Sequence[str]) -> str:
         + "".join(
             [
                 t.cell(f"<code>{t.esc(region.get('function', region.get('key', '-')))}</code>"),
-                t.cell(f"<code>{t.esc(region.get('source', '-'))}</code>"),
+                t.cell(f"<code>{t.esc(region.get('source', '-'))}</code>" + _free(region, dims)),
                 t.cell(t.esc(region.get("instances", "-")), region.get("instances")),
                 t.cell(inputs or "-"),
                 t.cell(outputs or "-"),
@@ -70,6 +72,11 @@ def _row(region: Mapping[str, Any], dims: Sequence[str]) -> str:
         )
         + "</tr>"
     )
+
+
+def _free(region: Mapping[str, Any], dims: Sequence[str]) -> str:
+    text = free_layouts_text(region, dims)
+    return f"<br>{t.esc(text)}" if text else ""
 
 
 def _total_us(phase: Mapping[str, Any]) -> float:

@@ -251,6 +251,7 @@ def region_lines(data: Mapping[str, Any]) -> list[str]:
     """One line per ``local_map`` region: where it is called, how often it runs, the
     placements it fixes and what one run of its forward and backward is priced."""
     lines = []
+    dims = (data.get("mesh") or {}).get("dim_names") or ()
     for region in data.get("regions") or []:
         inputs = ", ".join(str(i.get("placements")) for i in region.get("inputs") or [])
         outputs = ", ".join(str(o.get("placements")) for o in region.get("outputs") or [])
@@ -260,11 +261,33 @@ def region_lines(data: Mapping[str, Any]) -> list[str]:
             compute = float(part.get("compute_us") or 0.0)
             comm = float(part.get("comm_us") or 0.0)
             priced.append(f"{phase} {_fmt_us(compute + comm)} (comm {_fmt_us(comm)})")
+        free = free_layouts_text(region, dims)
         lines.append(
             f"region {region.get('function')} at {region.get('source')}, "
             f"x{region.get('instances')}: in {inputs} -> out {outputs}; {', '.join(priced)}"
+            + (f"; {free}" if free else "")
         )
     return lines
+
+
+def free_layouts_text(region: Mapping[str, Any], dims: Sequence[str] = ()) -> str:
+    """How the plan resolved a region's free mesh dims, with how many calls run in each
+    layout: ``free mesh dims dp: dp=S(0) x2, dp=R x0`` (``dims``: the mesh dims' names);
+    empty when none is free."""
+    layouts = region.get("layouts") or []
+    if not region.get("free_mesh_dims") or not layouts:
+        return ""
+    parts = []
+    for layout in layouts:
+        free = layout.get("free") or {}
+        choice = " ".join(
+            f"{dims[int(d)] if int(d) < len(dims) else d}={p}" for d, p in free.items()
+        )
+        parts.append(f"{choice} x{layout.get('instances', 0)}")
+    names = ", ".join(
+        dims[int(d)] if int(d) < len(dims) else str(d) for d in region["free_mesh_dims"]
+    )
+    return f"free mesh dims {names}: " + ", ".join(parts)
 
 
 def _optimizer_line(totals: Mapping[str, Any]) -> list[str]:

@@ -51,13 +51,15 @@ def _route(
     return tuple(edge.routes.pricer.route(src, dst)[1:-1])
 
 
-def _region_collectives_us(node: fx.Node, topology: Topology) -> float:
-    """The collectives a ``local_map`` region's op issues itself, which its priced compute
-    includes (cost/regions.py); 0 for any other node."""
+def _region_collectives_us(node: fx.Node, strategy: int, topology: Topology) -> float:
+    """The collectives a ``local_map`` region's op issues itself in the layout of its
+    strategy ``strategy`` (strategies/regions.py), which its priced compute includes
+    (cost/regions.py); 0 for any other node."""
     region = node.meta.get("local_map_region")
     if region is None:
         return 0.0
-    _, collectives = region_cost_parts_us(region, node.target is region_backward_op, topology)
+    layout = region.layouts[strategy]
+    _, collectives = region_cost_parts_us(layout, node.target is region_backward_op, topology)
     return collectives
 
 
@@ -75,7 +77,7 @@ def build_plan(
             else ("forward" if node in joint.forward_nodes else "backward")
         )
         priced_us = tables.compute_us[node][choice[node]]
-        collectives = _region_collectives_us(node, tables.topology)
+        collectives = _region_collectives_us(node, choice[node], tables.topology)
         nodes[node.name] = NodePlan(
             name=node.name,
             target=str(node.target) if node.op != "placeholder" else joint.placeholder_role(node),

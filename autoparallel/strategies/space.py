@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from autoparallel.strategies import rules
 from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_strategies
-from autoparallel.strategies.regions import region_strategy
+from autoparallel.strategies.regions import region_strategies
 from autoparallel.trace.fx_args import map_args, tensor_input_nodes
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi
@@ -100,7 +100,7 @@ def _strategies_for(
 
     region = node.meta.get("local_map_region")
     if region is not None:
-        return NodeStrategies(node, inputs, [region_strategy(node, region)], "local_map", multi)
+        return NodeStrategies(node, inputs, region_strategies(node, region), "local_map", multi)
 
     key = _question(node, options, answers)
     if key in answers:

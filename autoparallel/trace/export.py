@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from autoparallel import _torch_internals as internals
 from autoparallel.regions.context import RegionScope, region_scope
 from autoparallel.regions.local_map import LocalMapError, region_backward_op, region_forward_op
-from autoparallel.regions.profile import profile_region
+from autoparallel.regions.profile import check_free_dims, profile_region
 from autoparallel.trace.errors import trace_error
 from autoparallel.trace.layer_stamping import (
     CHECK_LAYERS,
@@ -180,7 +181,11 @@ def _attach_regions(joint: JointGraph, scope: RegionScope, mesh: DeviceMesh | No
     used = {node.args[0] for node in nodes}
     joint.regions = {key: region for key, region in scope.regions.items() if key in used}
     for region in joint.regions.values():
-        region.profile = profile_region(region, mesh)
+        region.layouts = tuple(
+            dataclasses.replace(layout, profile=profile_region(region, layout, mesh))
+            for layout in region.layouts
+        )
+        check_free_dims(region)
     for node in nodes:
         node.meta["local_map_region"] = joint.regions[node.args[0]]
     logger.info(

@@ -52,9 +52,41 @@ class RegionProfile:
     backward_collectives: tuple[CollectiveRecord, ...]
 
 
+@dataclass(frozen=True)
+class RegionLayout:
+    """One way to run a region: every placement resolved, its local input shapes, and the
+    body's profile at those shapes. A region without free mesh dims has one layout; each
+    free mesh dim doubles them (see :class:`LocalMapRegion`).
+
+    Attributes:
+        in_placements / in_grad_placements / out_placements: as in :class:`LocalMapRegion`,
+            with no free entry left.
+        local_inputs: per tensor argument, its local shape and dtype on one rank.
+        free: per free mesh dim, (the mesh dim, what its free entries became: "R" or "S(0)").
+        profile: what the body ran on these local shapes (set after tracing).
+    """
+
+    in_placements: tuple[Placements, ...]
+    in_grad_placements: tuple[Placements, ...]
+    out_placements: tuple[Placements, ...]
+    local_inputs: tuple[TensorInfo, ...]
+    free: tuple[tuple[int, str], ...] = ()
+    profile: RegionProfile | None = field(default=None, repr=False, compare=False)
+
+
 @dataclass
 class LocalMapRegion:
     """One ``local_map`` region of a traced model.
+
+    Free mesh dims: a placements tuple may hold ``None`` for a mesh dim instead of a
+    placement (``(None, Shard(0))``): the body does not care how that tensor lies on that
+    mesh dim, and the planner chooses. For each such mesh dim, every ``None`` of the region
+    (arguments, outputs, gradients) becomes ``Replicate()`` together, or ``Shard(0)``
+    together; a ``None`` in ``in_grad_placements`` becomes the adjoint of its argument's.
+    So a free entry says "dim 0 of this tensor is a batch dim of the body": each output row
+    depends on the same rows of the free arguments only (and on whole tensors of the
+    others), and the body issues no collective over that mesh dim. ``layouts`` lists every
+    resolution (one when nothing is free), each a strategy of the region's ops.
 
     Attributes:
         key: the name the graph's region ops carry (unique within one trace).
@@ -64,13 +96,13 @@ class LocalMapRegion:
         constants: the non-tensor leaves of those arguments (None where a tensor goes).
         tensor_positions: leaf index of each tensor argument, in the ops' input order.
         in_placements / in_grad_placements: per tensor argument, its placements on the mesh
-            and those of its gradient.
-        out_placements: per output tensor, its placements (its gradient arrives in
-            :func:`~autoparallel.types.regions.adjoint_placements` of them).
+            and those of its gradient, as declared (``None`` on a free mesh dim).
+        out_placements: per output tensor, its placements as declared (its gradient arrives
+            in :func:`~autoparallel.types.regions.adjoint_placements` of them).
         differentiable: per tensor argument, whether it is floating point (gets a gradient).
+        layouts: every resolution of the free mesh dims (the first when none is free).
+        free_mesh_dims: the mesh dims with a ``None`` entry somewhere.
         out_spec: pytree structure of the body's result; set when the trace first runs it.
-        local_inputs: per tensor argument, its local shape and dtype on one rank.
-        profile: what the body ran on local fake tensors (set after tracing).
     """
 
     key: str
@@ -83,9 +115,9 @@ class LocalMapRegion:
     in_grad_placements: tuple[Placements, ...]
     out_placements: tuple[Placements, ...]
     differentiable: tuple[bool, ...]
-    local_inputs: tuple[TensorInfo, ...]
+    layouts: tuple[RegionLayout, ...]
+    free_mesh_dims: tuple[int, ...] = ()
     out_spec: TreeSpec | None = None
-    profile: RegionProfile | None = field(default=None, repr=False)
 
     def arguments(self, tensors: list[Any]) -> tuple:
         """The body's positional arguments with ``tensors`` in the tensor positions."""
