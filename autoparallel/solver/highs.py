@@ -324,7 +324,7 @@ def _run(
                 100 * options.fix_gap,
                 "" if polish_s is None else f" for at most {polish_s:.0f} s",
             )
-        allow(highs, remaining() if polish_s is None else polish_s)
+        allow(highs, remaining() if polish_s is None else polish_s, problem.integrality.any())
     highs.run()
     status = highs.modelStatusToString(highs.getModelStatus())
     elapsed = time.perf_counter() - start
@@ -464,13 +464,15 @@ def _fix_in_turn(
     deadline: float,
 ) -> _Candidate | None:
     best: _Candidate | None = None
+    tried: set[bytes] = set()  # a higher threshold often fixes the same columns
     for threshold in (*FIX_THRESHOLDS, 1.0 - options.integrality_tolerance):
         fixed = np.flatnonzero(problem.integrality & (values >= threshold)).astype(np.int32)
-        if not len(fixed) or time.perf_counter() >= deadline:
+        if not len(fixed) or fixed.tobytes() in tried or time.perf_counter() >= deadline:
             continue
+        tried.add(fixed.tobytes())
         count = len(fixed)
         highs.changeColsBounds(count, fixed, np.ones(count), np.ones(count))
-        allow(highs, deadline - time.perf_counter())
+        allow(highs, deadline - time.perf_counter(), mip=True)
         highs.run()
         status = highs.modelStatusToString(highs.getModelStatus())
         found = highs.getInfo().primal_solution_status == _FEASIBLE

@@ -33,7 +33,7 @@ forward and backward that are freed within the phase, and the allocator's fragme
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -248,20 +248,41 @@ def _sum_of(base: Row, added: Row) -> Row:
 
 def _move_bytes(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray]:
     """(columns, bytes) of edge ``edge``'s moves: the redistributed value's local bytes where
-    a move changes placements, else 0."""
-    moves = problem.edge_moves(edge)
+    a move changes placements, else 0. Priced once per distinct target (a flow-encoded edge
+    has hundreds of arcs over a few dozen states)."""
     producer = problem.tables.edges[edge].producer.meta["val"]
     mesh_shape = problem.space.mesh_shape
-    by_target: dict[object, float] = {}
-    values = []
-    for move in moves:
-        if move.src == move.dst:
-            values.append(0.0)
-            continue
-        if move.dst not in by_target:
-            by_target[move.dst] = _value_bytes(producer, move.dst, mesh_shape)
-        values.append(by_target[move.dst])
-    return np.array([m.column for m in moves], dtype=np.int64), np.array(values)
+    columns = np.asarray(problem.edge_columns[edge], dtype=np.int64)
+    src, dst, placements_of = _move_ends(problem, edge)
+    targets, target_of = np.unique(dst, return_inverse=True)
+    target_bytes = np.array(
+        [_value_bytes(producer, placements_of(int(t)), mesh_shape) for t in targets]
+    )
+    values = np.where(src == dst, 0.0, target_bytes[target_of.reshape(-1)])
+    return columns, values
+
+
+def _move_ends(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """Each column of edge ``edge`` as (source id, target id) arrays, and the placements of
+    a target id. Equal ids are equal placements: route states on a flow-encoded edge; on a
+    pair-encoded one, options numbered so that a source option equal to a target option
+    shares its id."""
+    cost = problem.tables.edges[edge]
+    if problem.edge_encoding(edge) != "pairs":
+        assert cost.routes is not None
+        table, pricer = cost.routes.table, cost.routes.pricer
+        return np.asarray(table.arc_src), np.asarray(table.arc_dst), pricer.placements_of_state
+    options = list(cost.dst_options)
+    ids = {placements: i for i, placements in enumerate(options)}
+    src_ids = []
+    for placements in cost.src_options:
+        if placements not in ids:
+            ids[placements] = len(options)
+            options.append(placements)
+        src_ids.append(ids[placements])
+    src = np.array([src_ids[i] for i, _, _, _ in cost.pairs], dtype=np.int64)
+    dst = np.array([j for _, j, _, _ in cost.pairs], dtype=np.int64)
+    return src, dst, options.__getitem__
 
 
 # ---------------------------------------------------------------------------- the estimate

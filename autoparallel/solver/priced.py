@@ -204,11 +204,17 @@ def _weighted_sum(
     return total
 
 
-def allow(highs: highspy.Highs, seconds: float) -> None:
-    """Let the next run of ``highs`` take ``seconds`` more (at least a millisecond).
-    HiGHS's ``time_limit`` counts the instance's run time over all its runs, not the next
-    run's: a limit of "what is left" set after earlier runs would stop it at once."""
-    highs.setOptionValue("time_limit", highs.getRunTime() + max(1e-3, seconds))
+def allow(highs: highspy.Highs, seconds: float, mip: bool = False) -> None:
+    """Let the next run of ``highs`` take ``seconds`` more (at least a millisecond); ``mip``:
+    that run is a branch and bound (integer columns, no ``solve_relaxation``).
+
+    HiGHS's ``time_limit`` counts an LP's time over all the instance's runs, so a limit of
+    "what is left" set after earlier runs would stop it at once; a MIP's counts from the
+    start of its own run. Measured on HiGHS 1.16 after a 2.7 s LP: an LP under a limit of
+    4 s stopped 1.2 s later; a MIP under run time + 5 s ran 9.7 s, under 5 s ran 6.8 s
+    (HiGHS stops a MIP only between its steps, here ~2 s past the limit)."""
+    seconds = max(1e-3, seconds)
+    highs.setOptionValue("time_limit", seconds if mip else highs.getRunTime() + seconds)
 
 
 def _meets(
