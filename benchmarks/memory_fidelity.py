@@ -1,7 +1,7 @@
 """Predicted vs measured memory per device of our plans, component by component.
 
     python benchmarks/memory_fidelity.py [--models mlp llama-tiny] [--nproc 2]
-        [--recipes free ddp fsdp tp budget recompute]
+        [--recipes free ddp fsdp tp budget recompute] [--mixed-precision]
 
 For every model, one set of gloo ranks plans it once per recipe (``benchmarks/workloads.py``;
 ``budget`` is the free plan under a peak budget of 60 % of the free plan's predicted peak,
@@ -9,7 +9,9 @@ For every model, one set of gloo ranks plans it once per recipe (``benchmarks/wo
 the layers the backward recomputes),
 trains one AdamW step, and measures on each rank, from the tensors themselves
 (:func:`autoparallel.measure_memory`), the bytes of the parameters, the gradients, the
-optimizer state and the activations the forward saves for the backward.
+optimizer state and the activations the forward saves for the backward. With
+``--mixed-precision`` every plan runs under a bf16/fp32 MixedPrecisionPolicy (bf16
+parameters and compute, gradients reduced in fp32).
 
 It prints one table per model with the plan's prediction (``plan.memory``) beside the
 largest rank's measurement and the relative error, and one JSON line per model. The
@@ -44,8 +46,11 @@ BUDGET_SHARE = {"budget": 0.6, "recompute": 0.45}
 """The budgeted recipes' peak budget, as a share of the free plan's predicted peak."""
 
 
-def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str]) -> dict:
+def memory_rank(
+    rank: int, world_size: int, model_name: str, recipes: list[str], mixed_precision: bool
+) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     os.dup2(2, 1)  # keep the parent's stdout for the report (HiGHS prints a banner)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -55,6 +60,11 @@ def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str])
     inputs = local_rows(inputs, rank, world_size).clone()
     targets = local_rows(targets, rank, world_size)
     results: dict[str, dict] = {}
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else None
+    )
     free_peak = None
     for recipe in recipes:
         torch.manual_seed(0)
@@ -62,7 +72,7 @@ def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str])
             budget = None
             if recipe in BUDGET_SHARE:
                 if free_peak is None:
-                    free_peak = plan_ours(workload, mesh).plan.memory.peak
+                    free_peak = plan_ours(workload, mesh, mp_policy=mp_policy).plan.memory.peak
                 budget = BUDGET_SHARE[recipe] * free_peak
             planned = plan_ours(
                 workload,
@@ -70,6 +80,7 @@ def memory_rank(rank: int, world_size: int, model_name: str, recipes: list[str])
                 recipe="free" if recipe in BUDGET_SHARE else recipe,
                 memory_budget=budget,
                 activation_checkpointing="auto" if recipe == "recompute" else "off",
+                mp_policy=mp_policy,
             )
         except Exception as exc:  # one failing recipe must not hide the others' figures
             traceback.print_exc()
@@ -100,9 +111,9 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:9.3f}"
 
 
-def _table(model: str, nproc: int, results: dict[str, dict]) -> list[str]:
+def _table(model: str, nproc: int, results: dict[str, dict], policy: str) -> list[str]:
     lines = [
-        f"{model}, {nproc} gloo ranks (MiB per device; measured: the largest rank)",
+        f"{model}, {nproc} gloo ranks, {policy} (MiB per device; measured: the largest rank)",
         f"{'recipe':<8} {'component':<16} {'predicted':>10} {'measured':>10} {'error':>8}",
     ]
     for recipe, result in results.items():
@@ -135,20 +146,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="plan and train under a bf16/fp32 MixedPrecisionPolicy",
+    )
     args = parser.parse_args(argv)
+    policy = "bf16/fp32 policy" if args.mixed_precision else "fp32"
     failed = False
     for model in args.models:
         try:
             results = run_distributed(
-                memory_rank, args.nproc, model, args.recipes, timeout_s=args.timeout
+                memory_rank,
+                args.nproc,
+                model,
+                args.recipes,
+                args.mixed_precision,
+                timeout_s=args.timeout,
             )[0]
         except RuntimeError as exc:
             print(f"[{model}] failed:\n{exc}", file=sys.stderr)
             failed = True
             continue
         failed |= any(r["status"] != "ok" for r in results.values())
-        print(json.dumps({"model": model, "nproc": args.nproc, "results": results}), flush=True)
-        print("\n".join(_table(model, args.nproc, results)), flush=True)
+        line = {"model": model, "nproc": args.nproc, "policy": policy, "results": results}
+        print(json.dumps(line), flush=True)
+        print("\n".join(_table(model, args.nproc, results, policy)), flush=True)
     return 1 if failed else 0
 
 

@@ -158,17 +158,19 @@ def plan_ours(
     memory_constraint: bool = False,
     memory_budget: float | None = None,
     activation_checkpointing: str = "off",
+    mp_policy: Any = None,
 ) -> PlannedModel:
     """Plan ``workload`` on ``mesh`` (pinned to ``recipe``; with the parameter memory
     constraint, or a peak ``memory_budget`` in bytes per device that may recompute layers
-    as ``activation_checkpointing`` says), build and init the parallel module."""
+    as ``activation_checkpointing`` says; under ``mp_policy``, a MixedPrecisionPolicy),
+    build and init the parallel module."""
     from torch.distributed.tensor import Shard
 
     with torch.device("meta"):
         model = workload.build()
     inputs, _ = workload.global_batch()
     start = time.perf_counter()
-    with AutoParallel(model, lambda: inputs, mesh, hardware=hardware) as autop:
+    with AutoParallel(model, lambda: inputs, mesh, mp_policy, hardware=hardware) as autop:
         rows = tuple(Shard(0) for _ in range(mesh.ndim))  # split by rows over every mesh dim
         autop.add_input_constraints([rows])
         autop.add_output_constraints([rows])

@@ -71,11 +71,23 @@ def reference_model(model_name: str) -> torch.nn.Module:
     return model
 
 
+BF16 = "-bf16"
+"""A kind ending in this plans under a bf16/fp32 MixedPrecisionPolicy."""
+
+
 def _plan_and_apply(model_name: str, mesh, kind: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     model = build(model_name)
     batch_sharded = (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
     example = global_batches(model_name)[0]
-    with AutoParallel(model, lambda: torch.empty_like(example), mesh, hardware="cpu") as autop:
+    mp_policy = None
+    if kind.endswith(BF16):
+        kind = kind.removesuffix(BF16)
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with AutoParallel(
+        model, lambda: torch.empty_like(example), mesh, mp_policy, hardware="cpu"
+    ) as autop:
         autop.add_input_constraints([batch_sharded])
         autop.add_output_constraints([batch_sharded])
         if kind == "fsdp":

@@ -149,11 +149,13 @@ def test_layers_fold_into_identical_rows(fake_mesh):
         assert len(rows) <= 5
 
 
-@pytest.mark.parametrize("kind", ["ddp-pinned", "fsdp", "recompute"])
+@pytest.mark.parametrize("kind", ["ddp-pinned", "fsdp", "recompute", "ddp-pinned-bf16"])
 def test_predicted_memory_is_what_the_runtime_holds(ranks, kind):
     """Parameters, gradients, AdamW state and saved activations: the bytes plan.memory
     predicts are the bytes the parallel module holds after a step, on every rank (with
-    the layers the solver chose recomputed in the backward, not saved)."""
+    the layers the solver chose recomputed in the backward, not saved; under a bf16
+    policy, the replicated parameters' bf16 casts the backward reads among the saved
+    activations)."""
     for result in ranks(2).run(memory_matches_plan, kind, timeout_s=240):
         assert bool(result["recompute"]) == (kind == "recompute")
         for name, measured in result["measured"].items():

@@ -134,7 +134,7 @@ def memory_constraint_of(
     columns, rows, saving = None, [], _NO_TERM
     if model.recompute:
         columns, rows, saving = recompute_columns(problem, model.recompute, every_layer)
-    moves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # edge -> its (columns, bytes)
+    moves: dict[MoveBytes, tuple[np.ndarray, np.ndarray]] = {}  # its (columns, bytes)
     bases, moments = _moments(model)
     base_rows: dict[str, Row] = {}
     seen: set[tuple[str, bytes, bytes]] = set()
@@ -210,21 +210,21 @@ def _row(
     problem: Problem,
     parts: Sequence[NodeBytes | MoveBytes],
     budget: float,
-    moves: dict[int, tuple[np.ndarray, np.ndarray]],
+    moves: dict[MoveBytes, tuple[np.ndarray, np.ndarray]],
     term: tuple[np.ndarray, np.ndarray] = _NO_TERM,
 ) -> Row:
     """The row ``sum(parts) + term <= budget`` (MiB; ``term``: columns and MiB already);
-    ``moves`` caches each edge's columns and bytes (folded layers share edges' rows)."""
+    ``moves`` caches each move's columns and bytes (folded layers share edges' rows)."""
     columns, values = [term[0]], [term[1] * MIB]
     for part in parts:
         if isinstance(part, NodeBytes):
             columns.append(problem.node_columns[part.node])
             values.append(part.per_strategy)
             continue
-        if part.edge not in moves:
-            moves[part.edge] = _move_bytes(problem, part.edge)
-        columns.append(moves[part.edge][0])
-        values.append(moves[part.edge][1])
+        if part not in moves:
+            moves[part] = _move_bytes(problem, part)
+        columns.append(moves[part][0])
+        values.append(moves[part][1])
     row = Row(np.concatenate(columns), np.concatenate(values) / MIB, -np.inf, budget / MIB)
     merged = row.merged()
     keep = merged.values != 0.0
@@ -246,20 +246,23 @@ def _sum_of(base: Row, added: Row) -> Row:
     return Row(merged.columns[keep], merged.values[keep], -np.inf, base.upper, budget=True)
 
 
-def _move_bytes(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray]:
-    """(columns, bytes) of edge ``edge``'s moves: the redistributed value's local bytes where
-    a move changes placements, else 0. Priced once per distinct target (a flow-encoded edge
-    has hundreds of arcs over a few dozen states)."""
+def _move_bytes(problem: Problem, move: MoveBytes) -> tuple[np.ndarray, np.ndarray]:
+    """(columns, bytes) of ``move``'s edge: the redistributed value's local bytes where a
+    column changes placements, else 0 (the producer's own bytes where the move
+    ``keeps_source``). Priced once per distinct target (a flow-encoded edge has hundreds
+    of arcs over a few dozen states)."""
+    edge = move.edge
     producer = problem.tables.edges[edge].producer.meta["val"]
     mesh_shape = problem.space.mesh_shape
     columns = np.asarray(problem.edge_columns[edge], dtype=np.int64)
     src, dst, placements_of = _move_ends(problem, edge)
-    targets, target_of = np.unique(dst, return_inverse=True)
-    target_bytes = np.array(
-        [_value_bytes(producer, placements_of(int(t)), mesh_shape) for t in targets]
-    )
-    values = np.where(src == dst, 0.0, target_bytes[target_of.reshape(-1)])
-    return columns, values
+    ends = np.concatenate([dst, src]) if move.keeps_source else dst
+    ids, id_of = np.unique(ends, return_inverse=True)
+    id_bytes = np.array([_value_bytes(producer, placements_of(int(i)), mesh_shape) for i in ids])
+    values = id_bytes[id_of.reshape(-1)[: len(dst)]]
+    if move.keeps_source:  # the copy less the source, which the activations count
+        values = values - id_bytes[id_of.reshape(-1)[len(dst) :]]
+    return columns, np.where(src == dst, 0.0, values)
 
 
 def _move_ends(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray, Callable]:
@@ -368,7 +371,11 @@ def _gathered_bytes(problem: Problem, move: MoveBytes, choice: dict[fx.Node, int
     src, dst = problem.chosen_pair(move.edge, choice)
     if edge.src_options[src] == edge.dst_options[dst]:
         return 0.0
-    return _value_bytes(edge.producer.meta["val"], edge.dst_options[dst], problem.space.mesh_shape)
+    value, mesh_shape = edge.producer.meta["val"], problem.space.mesh_shape
+    copy = _value_bytes(value, edge.dst_options[dst], mesh_shape)
+    if move.keeps_source:  # the source is among the activations (see MoveBytes)
+        return copy - _value_bytes(value, edge.src_options[src], mesh_shape)
+    return copy
 
 
 # ---------------------------------------------------------------------------- the parts
@@ -391,7 +398,8 @@ def _activations(
     for node in layer_at:
         if node in saved:
             root = storage_root(node)
-            if root not in readers and root in problem.space.nodes:
+            own = root not in readers or _is_cast(root)  # a cast is a storage of its own
+            if own and root in problem.space.nodes:
                 roots[root] = None
     parts = [NodeBytes(root, _strategy_bytes(problem, root, mesh_shape)) for root in roots]
     return parts, [layer_at.get(root, NON_LAYER) for root in roots]
@@ -401,7 +409,10 @@ def _saved_gathers(problem: Problem) -> list[MoveBytes]:
     """The moves into the saved parameter reads (a parameter, its cast, views of those):
     where one changes placement, the saved value is the redistributed copy (a transposed
     weight gathered in the forward, say), alive until the backward; where none does, it is
-    the parameter's own storage."""
+    the parameter's own storage, or its cast's (a storage of its own, counted among the
+    activations; a move out of it then counts what it adds, see ``MoveBytes``; exact
+    while one move chain leaves each cast). A move into a cast is not saved: the cast
+    consumes its copy (a transient gather)."""
     joint = problem.joint
     readers = parameter_views(joint)
     saved = {p for p in _read_by_backward(joint) if p in readers and p.op == "call_function"}
@@ -411,10 +422,19 @@ def _saved_gathers(problem: Problem) -> list[MoveBytes]:
             chain.add(node)
             node = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     return [
-        MoveBytes(index)
+        MoveBytes(index, keeps_source=_is_cast(edge.producer) and edge.producer not in saved)
         for index, edge in enumerate(problem.tables.edges)
-        if edge.kind == "arg" and edge.consumer in chain and edge.producer in readers
+        if edge.kind == "arg"
+        and edge.consumer in chain
+        and edge.producer in readers
+        and not _is_cast(edge.consumer)
     ]
+
+
+def _is_cast(node: fx.Node) -> bool:
+    """A parameter read with a storage of its own (its mixed-precision cast), given a
+    node of ``parameter_views``: an op that is no view."""
+    return node.op == "call_function" and storage_root(node) is node
 
 
 def saved_activations(joint: JointGraph) -> set[fx.Node]:
