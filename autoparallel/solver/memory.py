@@ -248,26 +248,26 @@ def _sum_of(base: Row, added: Row) -> Row:
 
 def _move_bytes(problem: Problem, move: MoveBytes) -> tuple[np.ndarray, np.ndarray]:
     """(columns, bytes) of ``move``'s edge: the redistributed value's local bytes where a
-    column changes placements, else 0 (the producer's own bytes where the move
-    ``keeps_source``). Priced once per distinct target (a flow-encoded edge has hundreds
-    of arcs over a few dozen states)."""
+    column changes placements (less the source's where the move is ``net_of_source``),
+    else 0. Priced once per distinct placement (a flow-encoded edge has hundreds of arcs
+    over a few dozen states)."""
     edge = move.edge
     producer = problem.tables.edges[edge].producer.meta["val"]
     mesh_shape = problem.space.mesh_shape
     columns = np.asarray(problem.edge_columns[edge], dtype=np.int64)
     src, dst, placements_of = _move_ends(problem, edge)
-    ends = np.concatenate([dst, src]) if move.keeps_source else dst
-    ids, id_of = np.unique(ends, return_inverse=True)
+    ids, id_of = np.unique(np.concatenate([dst, src]), return_inverse=True)
     id_bytes = np.array([_value_bytes(producer, placements_of(int(i)), mesh_shape) for i in ids])
-    values = id_bytes[id_of.reshape(-1)[: len(dst)]]
-    if move.keeps_source:  # the copy less the source, which the activations count
-        values = values - id_bytes[id_of.reshape(-1)[len(dst) :]]
+    ends_bytes = id_bytes[id_of.reshape(-1)]
+    values = ends_bytes[: len(dst)]
+    if move.net_of_source:  # the copy less the source, which the activations count
+        values = values - ends_bytes[len(dst) :]
     return columns, np.where(src == dst, 0.0, values)
 
 
 def _move_ends(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray, Callable]:
     """Each column of edge ``edge`` as (source id, target id) arrays, and the placements of
-    a target id. Equal ids are equal placements: route states on a flow-encoded edge; on a
+    an id. Equal ids are equal placements: route states on a flow-encoded edge; on a
     pair-encoded one, options numbered so that a source option equal to a target option
     shares its id."""
     cost = problem.tables.edges[edge]
@@ -373,7 +373,7 @@ def _gathered_bytes(problem: Problem, move: MoveBytes, choice: dict[fx.Node, int
         return 0.0
     value, mesh_shape = edge.producer.meta["val"], problem.space.mesh_shape
     copy = _value_bytes(value, edge.dst_options[dst], mesh_shape)
-    if move.keeps_source:  # the source is among the activations (see MoveBytes)
+    if move.net_of_source:  # the source is among the activations (see MoveBytes)
         return copy - _value_bytes(value, edge.src_options[src], mesh_shape)
     return copy
 
@@ -422,7 +422,7 @@ def _saved_gathers(problem: Problem) -> list[MoveBytes]:
             chain.add(node)
             node = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     return [
-        MoveBytes(index, keeps_source=_is_cast(edge.producer) and edge.producer not in saved)
+        MoveBytes(index, net_of_source=_is_cast(edge.producer) and edge.producer not in saved)
         for index, edge in enumerate(problem.tables.edges)
         if edge.kind == "arg"
         and edge.consumer in chain

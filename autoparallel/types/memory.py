@@ -71,13 +71,13 @@ class NodeBytes:
 class MoveBytes:
     """Bytes per device a move on edge ``edge`` holds while it lives: the redistributed
     value's local size where the chosen pair changes placements (a parameter gather).
-    ``keeps_source``: the producer's own output is counted apart (a parameter's
+    ``net_of_source``: the producer's own output is counted apart (a parameter's
     mixed-precision cast that the backward reads through a view, among the activations),
-    so a move counts what it adds to it, the copy's bytes less the source's: the saved
-    storage is the cast's where no move copies it, else the copy (a gather's)."""
+    so a move counts the copy's bytes less the source's: the saved storage comes out as
+    the cast's where no move copies it, else the copy (a gather's)."""
 
     edge: int
-    keeps_source: bool = False
+    net_of_source: bool = False
 
 
 @dataclass(frozen=True)
