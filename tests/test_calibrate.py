@@ -21,10 +21,14 @@ from autoparallel.calibrate.fit import CollectiveSample, fit_collective
 from autoparallel.calibrate.run import CalibrationSettings, _calibrate_rank
 from autoparallel.cli import main
 from autoparallel.cost import all_gather_us, all_reduce_us, reduce_scatter_us
+from autoparallel.cost.compute import compute_cost_us, priced_by_table
 from autoparallel.cost.hardware import CPU, CollectiveFit
+from autoparallel.cost.matmul_table import MatmulTable
 from autoparallel.cost.profile import ProfileError, load_profile, write_profile
 from autoparallel.cost.topology import Topology
 from autoparallel.models import MLP
+from autoparallel.report.text import hardware_lines
+from autoparallel.types.tensors import TensorInfo
 
 QUICK = CalibrationSettings(
     max_bytes=16 << 10,
@@ -36,6 +40,8 @@ QUICK = CalibrationSettings(
     optimizer_numel=1 << 14,
     optimizer_large_numel=1 << 16,
     runtime_parameters=(2, 8),
+    matmul_grid=(16, 64),
+    matmul_grid_calls=3,
 )
 
 
@@ -88,12 +94,63 @@ def test_the_forward_share_of_the_runtimes_work_is_a_fraction():
     assert fit_forward_share([-30.0], [100.0]) == 0.0
 
 
+def _power_law_table(dims=(16, 64, 256)) -> MatmulTable:
+    """A table whose warm time is m*k*n ns and cold time twice that: log-log interpolation
+    is exact on a power law, so any shape's price is known."""
+    shapes = [(m, k, n) for m in dims for k in dims for n in dims]
+    warm = tuple(m * k * n * 1e-3 for m, k, n in shapes)
+    return MatmulTable("float32", dims, warm, tuple(2 * t for t in warm), cold_bytes=1 << 20)
+
+
+def test_the_matmul_table_prices_its_grid_and_interpolates_between():
+    table = _power_law_table()
+    assert table.time_us(64, 16, 256, nbytes=0) == pytest.approx(64 * 16 * 256e-3)  # warm
+    assert table.time_us(64, 16, 256, nbytes=1 << 21) == pytest.approx(2 * 64 * 16 * 256e-3)
+    assert table.time_us(64, 16, 256, nbytes=1 << 19) == pytest.approx(1.5 * 64 * 16 * 256e-3)
+    assert table.time_us(32, 100, 200, nbytes=0) == pytest.approx(32 * 100 * 200e-3)
+    # below the grid: the smallest dimension's time; above it: in proportion
+    assert table.time_us(4, 16, 16, nbytes=0) == pytest.approx(16 * 16 * 16e-3)
+    assert table.time_us(1024, 16, 16, nbytes=0) == pytest.approx(1024 * 16 * 16e-3)
+    with pytest.raises(ValueError, match="warm_us has 2 times; 27 expected"):
+        MatmulTable("float32", (16, 64, 256), (1.0, 2.0), table.cold_us, 1.0)
+
+
+def test_a_calibrated_matmul_table_prices_matmuls():
+    """Where the profile has a table, a matmul costs the table's time (no launch cost added
+    on a synchronous host: the timings include it), scaled to its dtype's peak, times its
+    batch; other ops keep the roofline."""
+    table = _power_law_table()
+    hardware = dataclasses.replace(CPU, matmul_table=table, synchronous_ops=True)
+    a, b = TensorInfo((64, 256), torch.float32), TensorInfo((256, 16), torch.float32)
+    out = TensorInfo((64, 16), torch.float32)
+    nbytes = a.nbytes + b.nbytes + out.nbytes
+    mm = compute_cost_us(torch.ops.aten.mm.default, (a, b), {}, out, hardware)
+    assert mm == pytest.approx(table.time_us(64, 256, 16, nbytes))
+    half = [TensorInfo(t.shape, torch.bfloat16) for t in (a, b, out)]
+    bf16 = compute_cost_us(torch.ops.aten.mm.default, tuple(half[:2]), {}, half[2], hardware)
+    assert bf16 == pytest.approx(
+        table.time_us(64, 256, 16, nbytes / 2) * hardware.flops_fp32 / hardware.flops_bf16
+    )
+    batched = [TensorInfo((3, *t.shape), torch.float32) for t in (a, b, out)]
+    bmm = compute_cost_us(torch.ops.aten.bmm.default, tuple(batched[:2]), {}, batched[2], hardware)
+    assert bmm == pytest.approx(3 * mm)
+    assert priced_by_table(torch.ops.aten.mm.default, (a, b), hardware)
+    assert not priced_by_table(torch.ops.aten.mm.default, (a, b), CPU)
+    assert compute_cost_us(torch.ops.aten.mm.default, (a, b), {}, out, CPU) != pytest.approx(mm)
+
+
 def test_a_profile_round_trips_through_json(tmp_path):
     fits = (
         CollectiveFit("intra", "all_reduce", 350.0, 2.5e9, 0.2),
         CollectiveFit("inter", "all_gather", 900.0, 1e8, 0.1),
     )
-    hardware = dataclasses.replace(CPU, name="my-cluster", collectives=fits, devices_per_node=4)
+    hardware = dataclasses.replace(
+        CPU,
+        name="my-cluster",
+        collectives=fits,
+        devices_per_node=4,
+        matmul_table=_power_law_table(),
+    )
     path = tmp_path / "profile.json"
     write_profile(hardware, path, {"backend": "gloo"}, [{"what": "all_reduce", "time_us": 1.0}])
     loaded = load_profile(path)
@@ -116,6 +173,22 @@ def test_a_profile_round_trips_through_json(tmp_path):
         (
             lambda d: d["hardware"].update(runtime_forward_share=-0.1),
             r"hardware\.runtime_forward_share must be within \[0, 1\]",
+        ),
+        (
+            lambda d: d["hardware"].update(matmul_table={"dtype": "float32", "dims": [16, 64]}),
+            r"hardware\.matmul_table lacks warm_us, cold_us, cold_bytes",
+        ),
+        (
+            lambda d: d["hardware"].update(
+                matmul_table={
+                    "dtype": "float32",
+                    "dims": [16, 64],
+                    "warm_us": [1.0] * 8,
+                    "cold_us": [1.0] * 7,
+                    "cold_bytes": 1024,
+                }
+            ),
+            r"hardware\.matmul_table: matmul table cold_us has 7 times; 8 expected",
         ),
     ],
 )
@@ -197,6 +270,11 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     # how much of an all-reduce hides behind compute on these ranks: measured, a fraction
     assert 0.0 <= hardware.overlap_fraction <= 1.0
     assert any(sample["what"] == "overlap" for sample in calibration.samples)
+    # every matmul of the grid timed warm and cold (a cold one never below its warm one)
+    table = hardware.matmul_table
+    assert table is not None and table.dims == QUICK.matmul_grid and table.dtype == "float32"
+    assert all(0 < warm <= cold for warm, cold in zip(table.warm_us, table.cold_us))
+    assert table.cold_bytes > 0
     path = tmp_path / "profile.json"
     calibration.write(path)
 
@@ -222,6 +300,9 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     preset, _, _ = plan("cpu")
     assert data["hardware"]["source"] == str(path) and data["hardware"]["gpus_per_node"] == 2
     assert len(data["hardware"]["collectives"]) == 4
+    # its matmuls priced by the measured table, which the plan's JSON and log name
+    assert data["hardware"]["matmul_table"]["shapes"] == len(QUICK.matmul_grid) ** 3
+    assert any("matmuls priced by a measured table" in line for line in hardware_lines(data))
     assert measured.totals.compute_us != pytest.approx(preset.totals.compute_us)
     assert measured.totals.optimizer_us > 0 and preset.totals.optimizer_us == 0
     # the runtime's own work, and the forward's share of it, as the profile says

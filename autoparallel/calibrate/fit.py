@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from autoparallel.cost.collectives import RING_PASSES
-from autoparallel.cost.compute import compute_cost_us, is_free_op
+from autoparallel.cost.compute import compute_cost_us, is_free_op, priced_by_table
 from autoparallel.cost.hardware import CollectiveFit, Hardware
 from autoparallel.trace.fx_args import map_args
 from autoparallel.types.tensors import TensorInfo
@@ -188,14 +188,15 @@ def matmul_half_dim(peak_flops: float, skinny_flops: float, small: int) -> float
 
 def block_charge_us(graph: fx.GraphModule, hardware: Hardware) -> tuple[float, int]:
     """What the cost model charges every op of a traced graph on ``hardware``, and how many
-    of its ops are not views (the ops that pay ``kernel_launch_us``)."""
+    of its ops pay ``kernel_launch_us`` (not views, nor matmuls priced by a measured table,
+    whose timings include that cost)."""
     charged, ops = 0.0, 0
     for node in graph.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         args, kwargs = map_args(_tensor_info, (node.args, dict(node.kwargs)))
         charged += compute_cost_us(node.target, args, kwargs, _tensor_info(node), hardware)
-        ops += not is_free_op(node.target)
+        ops += not (is_free_op(node.target) or priced_by_table(node.target, args, hardware))
     return charged, ops
 
 

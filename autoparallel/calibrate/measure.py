@@ -16,10 +16,12 @@ together (a barrier).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -255,6 +257,69 @@ def matmul_us(
     dist.barrier()
     time_us = _after_gap_us(lambda: torch.mm(a, b), _cache_flush(device), repeats, device)
     return slowest_rank(time_us, device)
+
+
+def _each_call_us(
+    work: Callable[[], object], before: Callable[[], None], calls: int, device: torch.device
+) -> float:
+    """The median time of ``calls`` calls of ``work``, each after ``before`` (off the clock),
+    after one untimed call; a fixed count, so every rank makes the same calls."""
+    before()
+    work()
+    times = []
+    for _ in range(calls):
+        before()
+        _synchronize(device)
+        start = time.perf_counter()
+        work()
+        _synchronize(device)
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def matmul_grid_us(
+    dtype: torch.dtype, dims: tuple[int, ...], calls: int, device: torch.device
+) -> tuple[list[float], list[float]]:
+    """Every (M, K, N) of ``dims`` cubed, N fastest, timed warm (each call right after the
+    last) and cold (each call after ``CACHE_FLUSH_BYTES`` of other writes): two lists of
+    times (us, slowest rank), in :class:`~autoparallel.cost.matmul_table.MatmulTable`'s
+    order."""
+    flush = _cache_flush(device)
+    warm, cold = [], []
+    for m in dims:
+        for k in dims:
+            for n in dims:
+                matmul = functools.partial(
+                    torch.mm,
+                    torch.randn(m, k, device=device).to(dtype),
+                    torch.randn(k, n, device=device).to(dtype),
+                )
+                dist.barrier()
+                pair = (
+                    _each_call_us(matmul, lambda: None, calls, device),
+                    _each_call_us(matmul, flush, calls, device),
+                )
+                warm_us, cold_us = (slowest_rank(t, device) for t in pair)
+                warm.append(warm_us)
+                cold.append(max(cold_us, warm_us))
+    return warm, cold
+
+
+def cache_bytes(device: torch.device) -> float:
+    """The cache a matmul's operands must fit in to stay warm between uses: the L2 of one
+    CPU core (sysfs) or of the GPU; 1 MiB where the host does not say."""
+    if device.type == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        return float(size or 1 << 20)
+    try:
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            if (index / "level").read_text().strip() == "2":
+                text = (index / "size").read_text().strip().upper()
+                scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+                return float(int(text.rstrip("KM")) * scale)
+    except (OSError, ValueError):
+        pass
+    return float(1 << 20)
 
 
 def matmul_flops(dtype: torch.dtype, size: int, repeats: int, device: torch.device) -> float:

@@ -19,6 +19,7 @@ import math
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +42,19 @@ from autoparallel.calibrate.fit import (
     throughput,
 )
 from autoparallel.cost.hardware import COLLECTIVES, CPU, CollectiveFit, Hardware
+from autoparallel.cost.matmul_table import MatmulTable
 from autoparallel.cost.profile import write_profile
 from autoparallel.cost.topology import Topology
 
 KIB, MIB = 1 << 10, 1 << 20
+
+CPU_MATMUL_GRID = (16, 64, 256, 1024)
+"""The matmul table's dimensions on a CPU host: 64 shapes in about 5 s on the 2-core VM.
+Larger dimensions are priced in proportion to the 1024 ones (where a CPU core's matmul has
+reached its peak)."""
+
+GPU_MATMUL_GRID = (64, 256, 1024, 4096, 16384)
+"""The same on a GPU, in bf16: a GPU needs dimensions in the thousands to reach its peak."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,10 @@ class CalibrationSettings:
             the caches and the step's temporaries land on fresh pages; 0 skips that run).
         runtime_parameters: the parameter counts of the probe model whose parallel step
             measures the runtime's own work outside its graphs (CPU hosts only).
+        matmul_grid: the dimensions whose every (M, K, N) is timed warm and cold for the
+            profile's matmul table (cost/matmul_table.py); None: the device's default
+            (``CPU_MATMUL_GRID``, ``GPU_MATMUL_GRID``); () measures no table.
+        matmul_grid_calls: timed calls per shape of that grid (the median counts).
         name: the profile's hardware name (default: ``<device>-<backend>-<host>``).
     """
 
@@ -84,6 +98,8 @@ class CalibrationSettings:
     optimizer_numel: int = 1 << 20
     optimizer_large_numel: int = 1 << 22
     runtime_parameters: tuple[int, ...] = (4, 16, 64)
+    matmul_grid: tuple[int, ...] | None = None
+    matmul_grid_calls: int = 7
     name: str | None = None
 
     def sizes(self) -> list[int]:
@@ -263,8 +279,8 @@ def _time_device(
     settings: CalibrationSettings,
     say: Callable[[str], None],
     samples: list,
-) -> dict[str, float]:
-    figures: dict[str, float] = {}
+) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
     for dtype in (torch.float32, torch.bfloat16):
         # fp32's largest size is timed by _Rounds, whose median gives the FLOP/s
         sizes = settings.matmul_sizes[:-1] if dtype == torch.float32 else settings.matmul_sizes
@@ -282,6 +298,7 @@ def _time_device(
                 f"[calibrate] matmul {str(dtype).removeprefix('torch.'):<8} {size:>5}^3: {flops / 1e9:10.2f} GFLOP/s"
             )
     figures["flops_bf16"] = flops  # the largest size: closest to what big matmuls reach
+    figures["matmul_table"] = _time_matmul_table(device, settings, say, samples)
     bandwidth = measure.memory_bandwidth(settings.memory_probe_bytes, settings.repeats, device)
     samples.append(
         {"what": "memory_bandwidth", "nbytes": settings.memory_probe_bytes, "bandwidth": bandwidth}
@@ -338,7 +355,7 @@ class _Rounds:
     def fit(
         self,
         device: torch.device,
-        figures: dict[str, float],
+        figures: dict[str, Any],
         say: Callable[[str], None],
         samples: list,
     ) -> dict[str, float]:
@@ -508,7 +525,37 @@ def _time_runtime(
     )
 
 
-def _device_model(device: torch.device, figures: dict[str, float]) -> dict[str, Any]:
+def _time_matmul_table(
+    device: torch.device, settings: CalibrationSettings, say: Callable[[str], None], samples: list
+) -> MatmulTable | None:
+    """The profile's matmul table: every shape of the grid timed warm and cold."""
+    grid = settings.matmul_grid
+    if grid is None:
+        grid = GPU_MATMUL_GRID if device.type == "cuda" else CPU_MATMUL_GRID
+    if not grid:
+        return None
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    start = time.perf_counter()
+    warm, cold = measure.matmul_grid_us(dtype, tuple(grid), settings.matmul_grid_calls, device)
+    table = MatmulTable(
+        dtype=str(dtype).removeprefix("torch."),
+        dims=tuple(grid),
+        warm_us=tuple(warm),
+        cold_us=tuple(cold),
+        cold_bytes=measure.cache_bytes(device),
+    )
+    samples.append({"what": "matmul_table", **dataclasses.asdict(table)})
+    small, large = grid[0], grid[-1]
+    say(
+        f"[calibrate] matmul table {table.dtype}, {len(warm)} shapes ({small}..{large} per "
+        f"dim) in {time.perf_counter() - start:.1f} s: {large}^3 {warm[-1]:.0f} us warm, "
+        f"{cold[-1]:.0f} us cold; {small}^3 {warm[0]:.1f} us warm, {cold[0]:.1f} us cold; "
+        f"cold above {_bytes(int(table.cold_bytes))} touched"
+    )
+    return table
+
+
+def _device_model(device: torch.device, figures: dict[str, Any]) -> dict[str, Any]:
     """The ``Hardware`` fields of how ops run on ``device``, from the figures measured so far:
     a CPU host runs its ops synchronously (views cost its dispatch); a GPU does not."""
     synchronous = device.type == "cpu"
@@ -519,6 +566,7 @@ def _device_model(device: torch.device, figures: dict[str, float]) -> dict[str, 
         "synchronous_ops": synchronous,
         "view_op_us": figures["view_op_us"] if synchronous else 0.0,
         "matmul_half_dim": figures["matmul_half_dim"],
+        "matmul_table": figures.get("matmul_table"),
     }
 
 
@@ -526,7 +574,7 @@ def _hardware(
     settings: CalibrationSettings,
     device: torch.device,
     fits: list[CollectiveFit],
-    figures: dict[str, float],
+    figures: dict[str, Any],
     per_node: int,
 ) -> Hardware:
     by_link = {(f.link, f.collective): f for f in fits}

@@ -19,6 +19,7 @@ unfamiliar op.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,9 @@ __all__ = [
     "copy_cost_us",
     "flop_count",
     "is_free_op",
+    "matmul_dims",
     "matmul_min_dim",
+    "priced_by_table",
 ]
 
 log = logging.getLogger(__name__)
@@ -141,8 +144,8 @@ _MATMULS = {
 """Matmul ops and the positions of their two factors (M x K and K x N, batched or not)."""
 
 
-def matmul_min_dim(op: Any, args: tuple) -> int | None:
-    """The smallest of a matmul's M, N and K, or None for any other op."""
+def matmul_dims(op: Any, args: tuple) -> tuple[int, int, int, int] | None:
+    """A matmul's (batch, M, K, N) (batch 1 unbatched), or None for any other op."""
     positions = _MATMULS.get(op)
     if positions is None:
         return None
@@ -151,7 +154,38 @@ def matmul_min_dim(op: Any, args: tuple) -> int | None:
         return None
     if len(first.shape) < 2 or len(second.shape) < 2:
         return None
-    return min(first.shape[-2], first.shape[-1], second.shape[-1])
+    batch = math.prod(first.shape[:-2])
+    return batch, first.shape[-2], first.shape[-1], second.shape[-1]
+
+
+def matmul_min_dim(op: Any, args: tuple) -> int | None:
+    """The smallest of a matmul's M, N and K, or None for any other op."""
+    dims = matmul_dims(op, args)
+    return None if dims is None else min(dims[1:])
+
+
+def priced_by_table(op: Any, args: tuple, hardware: Hardware) -> bool:
+    """Whether ``op`` is a matmul that ``hardware``'s measured table prices (its time then
+    includes the host's fixed cost of the call: no launch cost is added)."""
+    return hardware.matmul_table is not None and matmul_dims(op, args) is not None
+
+
+def _table_matmul_us(
+    dims: tuple[int, int, int, int], args: tuple, kwargs: dict, output: Any, hardware: Hardware
+) -> float:
+    """A matmul's time from ``hardware.matmul_table``, scaled from the table's dtype to the
+    op's by the peak FLOP/s of each (a bf16 matmul on a host measured in fp32)."""
+    table = hardware.matmul_table
+    assert table is not None
+    batch, m, k, n = dims
+    per_matmul_bytes = bytes_moved(args, kwargs, output) / max(1, batch)
+    time_us = batch * table.time_us(m, k, n, per_matmul_bytes)
+    table_dtype = getattr(torch, table.dtype, torch.float32)
+    op_dtype = _math_dtype(args, kwargs, output)
+    time_us *= hardware.peak_flops(table_dtype) / hardware.peak_flops(op_dtype)
+    if hardware.synchronous_ops:
+        return time_us
+    return max(time_us, hardware.kernel_launch_us)
 
 
 def copy_cost_us(nbytes: float, hardware: Hardware) -> float:
@@ -179,12 +213,18 @@ def compute_cost_us(
     ``TensorInfo``. On asynchronous hardware a view costs 0 and any other op
     ``max(roofline, kernel_launch_us)``; where ``hardware.synchronous_ops`` (eager CPU) a
     view costs ``view_op_us`` and any other op ``kernel_launch_us + roofline``. Matmuls run
-    below the peak when a dimension is small (``Hardware.matmul_half_dim``). Never raises
+    below the peak when a dimension is small (``Hardware.matmul_half_dim``), or, on a
+    calibrated profile, take the time its measured table gives (``Hardware.matmul_table``,
+    whose timings include the call's fixed cost). Never raises
     for an unknown op: it is priced by the bytes it touches.
     """
     if is_free_op(op):
         return hardware.view_op_us if hardware.synchronous_ops else 0.0
     kwargs = kwargs or {}
+    if hardware.matmul_table is not None:
+        dims = matmul_dims(op, args)
+        if dims is not None:
+            return _table_matmul_us(dims, args, kwargs, output, hardware)
     flops = flop_count(op, args, kwargs, output)
     compute_s = 0.0
     if flops:

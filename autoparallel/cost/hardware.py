@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autoparallel.cost.matmul_table import MatmulTable
+
 __all__ = [
     "A100",
     "B200",
@@ -98,6 +100,10 @@ class Hardware:
     # the smallest matmul dimension (of M, N, K) at which a matmul reaches half the peak
     # FLOP/s: rate = peak * d / (d + matmul_half_dim); 0 prices every matmul at the peak
     matmul_half_dim: float = 0.0
+    # measured matmul times over a grid of shapes (a calibrated profile): where present, a
+    # matmul is priced by it (cost/matmul_table.py) rather than by the peak and
+    # matmul_half_dim; None in the presets
+    matmul_table: MatmulTable | None = None
     # the optimizer step (measured: AdamW with foreach kernels on the runtime's DTensor
     # parameters): a fixed cost per step, per parameter tensor, and per local element.
     # All 0 (the presets): the step is not priced. A CPU host pays more per element on large

@@ -11,7 +11,8 @@ Format (``format: "autoparallel-hardware-profile"``, ``version: 1``)::
     {"format": ..., "version": 1,
      "hardware": {"name", "flops_fp32", "flops_bf16", "memory_bandwidth", ...,
                   "collectives": [{"link", "collective", "latency_us", "bandwidth",
-                                   "max_error"}, ...]},
+                                   "max_error"}, ...],
+                  "matmul_table": {"dtype", "dims", "warm_us", "cold_us", "cold_bytes"}},
      "measured_on": {"backend", "world_size", "mesh_shape", "devices_per_node", "torch",
                      "host", "date"},
      "samples": [{"what", ..., "time_us"}, ...]}
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from autoparallel.cost.hardware import COLLECTIVES, LINKS, CollectiveFit, Hardware
+from autoparallel.cost.matmul_table import MatmulTable
 
 FORMAT = "autoparallel-hardware-profile"
 VERSION = 1
@@ -63,6 +65,8 @@ def hardware_from_dict(data: dict[str, Any], where: str = "hardware") -> Hardwar
         _collective_fit(entry, f"{where}.collectives[{index}]")
         for index, entry in enumerate(data.get("collectives") or ())
     )
+    if known.get("matmul_table") is not None:
+        known["matmul_table"] = _matmul_table(known["matmul_table"], f"{where}.matmul_table")
     for field in dataclasses.fields(Hardware):
         if field.name not in known:
             continue
@@ -98,6 +102,27 @@ def _collective_fit(entry: Any, where: str) -> CollectiveFit:
         bandwidth=_positive(entry.get("bandwidth"), f"{where}.bandwidth"),
         max_error=_non_negative(entry.get("max_error", 0.0), f"{where}.max_error"),
     )
+
+
+def _matmul_table(entry: Any, where: str) -> MatmulTable:
+    if not isinstance(entry, dict):
+        raise ProfileError(f"{where} must be an object, got {type(entry).__name__}")
+    fields = ("dtype", "dims", "warm_us", "cold_us", "cold_bytes")
+    missing = [name for name in fields if name not in entry]
+    if missing:
+        raise ProfileError(f"{where} lacks {', '.join(missing)}")
+    try:
+        return MatmulTable(
+            dtype=str(entry["dtype"]),
+            dims=tuple(int(d) for d in entry["dims"]),
+            warm_us=tuple(_number(t, f"{where}.warm_us") for t in entry["warm_us"]),
+            cold_us=tuple(_number(t, f"{where}.cold_us") for t in entry["cold_us"]),
+            cold_bytes=_positive(entry["cold_bytes"], f"{where}.cold_bytes"),
+        )
+    except (TypeError, ValueError) as error:
+        if isinstance(error, ProfileError):
+            raise
+        raise ProfileError(f"{where}: {error}") from error
 
 
 def _number(value: Any, where: str) -> float:

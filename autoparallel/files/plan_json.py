@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from autoparallel.cost.matmul_table import MatmulTable
 from autoparallel.cost.regions import region_cost_parts_us
 from autoparallel.cost.topology import Topology
 from autoparallel.regions.layouts import declared_str
@@ -498,6 +499,19 @@ def hardware_json(topology: Topology) -> dict[str, Any]:
             }
             for fit in hw.collectives
         ],
+        "matmul_table": _matmul_table_json(hw.matmul_table),
+    }
+
+
+def _matmul_table_json(table: MatmulTable | None) -> dict[str, Any] | None:
+    """What a profile's matmul table is (its timings stay in the profile file)."""
+    if table is None:
+        return None
+    return {
+        "dtype": table.dtype,
+        "dims": list(table.dims),
+        "shapes": len(table.warm_us),
+        "cold_bytes": _num(table.cold_bytes),
     }
 
 

@@ -132,6 +132,14 @@ def hardware_lines(data: Mapping[str, Any]) -> list[str]:
         f"bf16 {_rate(hw.get('flops_bf16'), 'FLOP/s')}, memory {_rate(hw.get('memory_bandwidth'), 'B/s')}, "
         f"{_fmt_us(hw.get('kernel_launch_us'))} per op"
     ]
+    table = hw.get("matmul_table")
+    if isinstance(table, Mapping) and table.get("dims"):
+        dims = table["dims"]
+        lines.append(
+            f"matmuls priced by a measured table: {table.get('dtype')}, {table.get('shapes')} "
+            f"shapes ({dims[0]}-{dims[-1]} per dim), warm or cold by the bytes touched "
+            f"(cold from {_rate(table.get('cold_bytes'), 'B')})"
+        )
     if float(hw.get("runtime_step_us") or 0.0) or float(hw.get("runtime_us_per_parameter") or 0.0):
         lines.append(
             f"the runtime's own work per step: {_fmt_us(hw.get('runtime_step_us'))} + "
