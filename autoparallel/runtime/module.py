@@ -441,7 +441,7 @@ def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.
     ]
     skip = set(trained)
     locals_ = [
-        t.to_local() if isinstance(t, DTensor) and i not in skip else t
+        _local_of(t, eager) if isinstance(t, DTensor) and i not in skip else t
         for i, t in enumerate(tensors)
     ]
     if trained:
@@ -449,6 +449,15 @@ def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.
         for i, local in zip(trained, unwrapped):
             locals_[i] = local
     return locals_
+
+
+def _local_of(tensor: DTensor, eager: bool) -> torch.Tensor:
+    """The local tensor of a DTensor no gradient flows to (a buffer, a frozen parameter):
+    eagerly the tensor itself (``to_local()`` costs ~19 us of DTensor dispatch on CPU, for
+    the same tensor); under a tracer ``to_local()``, which the tracer follows."""
+    if eager and not tensor.requires_grad:
+        return internals.local_tensor_of(tensor)
+    return tensor.to_local()
 
 
 def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
