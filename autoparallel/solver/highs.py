@@ -424,8 +424,11 @@ def _relaxation(highs: highspy.Highs, options: SolverOptions) -> str:
 
 
 FIX_THRESHOLDS = (0.5, 0.9)
-"""Relax and fix tries fixing the columns the relaxation set above each of these (then the
-ones it set to 1): the more it fixes, the smaller the MIP left, the likelier it misses."""
+"""Relax and fix tries fixing the columns the relaxation set strictly above each of these
+(then the ones it set to 1): the more it fixes, the smaller the MIP left, the likelier it
+misses. Strictly: a node the relaxation splits half and half between two strategies would
+have both fixed at 0.5 (LLaMA-3 8B on a gloo profile: 1459 columns fixed at >= 0.5, no plan,
+and the MIP left after the 0.9 pass took 32 s)."""
 
 
 def _relax_and_fix(
@@ -466,7 +469,7 @@ def _fix_in_turn(
     best: _Candidate | None = None
     tried: set[bytes] = set()  # a higher threshold often fixes the same columns
     for threshold in (*FIX_THRESHOLDS, 1.0 - options.integrality_tolerance):
-        fixed = np.flatnonzero(problem.integrality & (values >= threshold)).astype(np.int32)
+        fixed = np.flatnonzero(problem.integrality & (values > threshold)).astype(np.int32)
         if not len(fixed) or fixed.tobytes() in tried or time.perf_counter() >= deadline:
             continue
         tried.add(fixed.tobytes())
