@@ -28,6 +28,7 @@ from autoparallel.cost.profile import ProfileError, load_profile, write_profile
 from autoparallel.cost.topology import Topology
 from autoparallel.models import MLP
 from autoparallel.report.text import hardware_lines
+from autoparallel.runtime.timing import graph_clock
 from autoparallel.types.tensors import TensorInfo
 
 QUICK = CalibrationSettings(
@@ -137,6 +138,12 @@ def test_a_calibrated_matmul_table_prices_matmuls():
     assert priced_by_table(torch.ops.aten.mm.default, (a, b), hardware)
     assert not priced_by_table(torch.ops.aten.mm.default, (a, b), CPU)
     assert compute_cost_us(torch.ops.aten.mm.default, (a, b), {}, out, CPU) != pytest.approx(mm)
+
+
+def test_the_graph_clock_refuses_a_module_that_is_not_parallel():
+    with pytest.raises(TypeError, match="not a parallel module from apply_placement"):
+        with graph_clock(MLP(4, 8)):
+            pass
 
 
 def test_a_profile_round_trips_through_json(tmp_path):
@@ -265,6 +272,10 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     # (measured against priced: a loaded host can time the roofline's probes slower than
     # the step itself, so only that both were taken)
     assert all(s["time_us"] > 0 and s["graphs_us"] > 0 for s in probes)
+    # the graphs' time is measured inside the step (runtime/timing.graph_clock): a part of it
+    assert all(
+        s["graphs_us"] < s["time_us"] and s["forward_graphs_us"] < s["forward_us"] for s in probes
+    )
     assert all(0 < s["forward_us"] and 0 < s["forward_graphs_us"] < s["graphs_us"] for s in probes)
     assert 0.0 <= hardware.runtime_forward_share <= 1.0
     # how much of an all-reduce hides behind compute on these ranks: measured, a fraction

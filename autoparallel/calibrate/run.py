@@ -507,7 +507,7 @@ def _time_runtime(
         )
         say(
             f"[calibrate] parallel module step, {parameters} parameters: {sample.measured_us:.0f} us, "
-            f"of which its graphs are priced {sample.graphs_us:.0f} us; its forward "
+            f"of which its graphs ran {sample.graphs_us:.0f} us; its forward "
             f"{sample.forward_us:.0f} us, graphs {sample.forward_graphs_us:.0f} us"
         )
     fit = fit_runtime_overhead(outside)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,10 @@ class TracedPhase:
         self.regions = regions
         self.graph_module: fx.GraphModule | None = None  # functional ops only
         self.eager_module: fx.GraphModule | None = None  # the same, reduced in place
+        # seconds the eager graph ran while ``timed`` (runtime/timing.py's graph_clock): what
+        # the module's step spent inside its graphs, the rest being its own work
+        self.timed = False
+        self.graph_s = 0.0
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         with region_scope(self.regions) if self.regions is not None else contextlib.nullcontext():
@@ -116,7 +121,12 @@ class TracedPhase:
             if self.graph_module is None:
                 self._trace(*tensors)
             if _all_plain(tensors):
-                return list(self.eager_module(*tensors))
+                if not self.timed:
+                    return list(self.eager_module(*tensors))
+                start = time.perf_counter()
+                results = list(self.eager_module(*tensors))
+                self.graph_s += time.perf_counter() - start
+                return results
             # a tracer's tensors (torch.compile functionalizing a frame it captured): the
             # graph with only functional ops, which it can functionalize
             return list(self.graph_module(*tensors))

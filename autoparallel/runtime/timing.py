@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from autoparallel.types.plan import Plan
 
-__all__ = ["StepTiming", "measure_step"]
+__all__ = ["GraphClock", "StepTiming", "graph_clock", "measure_step"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +143,34 @@ def _every_rank(value_ms: float) -> tuple[float, ...]:
     values[dist.get_rank()] = value_ms
     dist.all_reduce(values)
     return tuple(values.tolist())
+
+
+class GraphClock:
+    """The time a parallel module spent inside its traced graphs (eager runs only), so that
+    a step's time splits into its graphs' ops and the module's own work around them."""
+
+    def __init__(self, phases: tuple[Any, ...]):
+        self._phases = phases
+
+    def take_us(self) -> float:
+        """Microseconds inside the graphs since the last call (or since the clock started)."""
+        total = sum(phase.graph_s for phase in self._phases)
+        for phase in self._phases:
+            phase.graph_s = 0.0
+        return total * 1e6
+
+
+@contextmanager
+def graph_clock(parallel: torch.nn.Module) -> Iterator[GraphClock]:
+    """Time the graphs of ``parallel`` (a module from ``apply_placement``) while inside."""
+    runtime = getattr(parallel, "_autoparallel", None)
+    if runtime is None:
+        raise TypeError(f"{type(parallel).__name__} is not a parallel module from apply_placement")
+    phases = (runtime.forward_phase, runtime.backward_phase, runtime.inference_phase)
+    for phase in phases:
+        phase.timed, phase.graph_s = True, 0.0
+    try:
+        yield GraphClock(phases)
+    finally:
+        for phase in phases:
+            phase.timed, phase.graph_s = False, 0.0
