@@ -196,6 +196,30 @@ def test_a_solve_from_an_earlier_basis_reaches_the_same_optimum(fake_mesh):
     assert first.warm_start.cold_s > 0  # what the first relaxation took from no basis
 
 
+def test_a_refit_keeps_the_last_plan_within_the_fix_gap_of_the_new_bound(fake_mesh):
+    """After the prices are refitted to a plan, the re-solve prices that plan at the new
+    prices (the LP's own costs) and keeps it when it is within fix_gap of the relaxation's
+    bound, instead of running relax and fix again."""
+    problem = _autop(fake_mesh((2, 2))).sharding_optimizer.problem
+    options = SolverOptions(lp_first_min_variables=0)
+    first = solve(problem, options)
+    assert first.warm_start.plan_values is not None
+    problem.objective = problem.objective * 1.5 + 0.25  # refitted prices, same rows
+    outcome = _run(problem, list(problem.user_constraints), options)
+    lp = outcome.highs.getLp()
+    values = first.warm_start.plan_values
+    priced = float(np.dot(lp.col_cost_, values) + lp.offset_)
+    # the plan's cost at the new prices: 1.5 x its cost at the old ones + 0.25 a column used
+    assert len(values) == problem.num_variables  # no auxiliary columns here
+    assert priced == pytest.approx(
+        1.5 * (first.stats.objective - lp.offset_) + 0.25 * values.sum() + lp.offset_
+    )
+    kept = highs_solver._kept_plan(outcome.highs, first.warm_start, priced * 0.995, options)
+    assert kept is not None and kept.objective == pytest.approx(priced)
+    assert highs_solver._kept_plan(outcome.highs, first.warm_start, priced * 0.9, options) is None
+    assert highs_solver._kept_plan(outcome.highs, None, priced, options) is None
+
+
 def test_a_warm_start_that_does_not_pay_starts_again_cold(fake_mesh, monkeypatch, caplog):
     """A refit's relaxation from the last basis that runs past its allowance (here none at
     all) is dropped and solved from no basis: the same optimum as a cold solve."""
