@@ -131,16 +131,21 @@ def _after_gap_us(
     per_batch = _calls_per_batch(work, repeats, device, gap)
     means = []
     for _ in range(_BATCHES):
-        total = 0.0
-        for _ in range(per_batch):
-            gap()
-            _synchronize(device)
-            start = time.perf_counter()
-            work()
-            _synchronize(device)
-            total += time.perf_counter() - start
-        means.append(total * 1e6 / per_batch)
+        total = sum(_one_call_us(work, gap, device) for _ in range(per_batch))
+        means.append(total / per_batch)
     return statistics.median(means)
+
+
+def _one_call_us(
+    work: Callable[[], object], before: Callable[[], None], device: torch.device
+) -> float:
+    """One call of ``work`` after ``before``, which runs off the clock."""
+    before()
+    _synchronize(device)
+    start = time.perf_counter()
+    work()
+    _synchronize(device)
+    return (time.perf_counter() - start) * 1e6
 
 
 def mean_over_ranks(value_us: float, device: torch.device) -> float:
@@ -267,15 +272,7 @@ def _each_call_us(
     after one untimed call; a fixed count, so every rank makes the same calls."""
     before()
     work()
-    times = []
-    for _ in range(calls):
-        before()
-        _synchronize(device)
-        start = time.perf_counter()
-        work()
-        _synchronize(device)
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
+    return statistics.median(_one_call_us(work, before, device) for _ in range(calls))
 
 
 def matmul_grid_us(
