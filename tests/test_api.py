@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import meta
 from planning import Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from autoparallel import AutoParallel
 from autoparallel.models import MLP
@@ -71,6 +72,17 @@ def test_meta_parameters_are_never_materialized(fake_mesh):
     with AutoParallel(model, lambda: torch.randn(8, 16), mesh) as autop:
         autop.optimize_placement()
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_attributes_set_on_a_parameter_follow_it_into_the_parallel_module(fake_mesh):
+    """What a library or the user marks on a parameter (an optimizer's no-weight-decay flag,
+    Hugging Face's initialized flag) is on the parallel module's DTensor parameter too."""
+    model = mlp()
+    model.w1.bias._no_weight_decay = True
+    with AutoParallel(model, lambda: torch.randn(8, 16), fake_mesh((2,))) as autop:
+        parallel = autop.apply_placement(autop.optimize_placement())
+    assert isinstance(parallel.w1.bias, DTensor) and parallel.w1.bias._no_weight_decay is True
+    assert not hasattr(parallel.w2.bias, "_no_weight_decay")
 
 
 def test_verbose_log_shows_placements_costs_and_solver(fake_mesh, caplog):

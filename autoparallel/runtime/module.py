@@ -118,8 +118,11 @@ def _copy_with_dtensors(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
         if id(param) in memo:
             continue
         placements = plan.param_placements[name]
-        memo[id(param)] = nn.Parameter(
-            _to_dtensor(param.detach(), mesh, placements), requires_grad=param.requires_grad
+        memo[id(param)] = _with_attributes_of(
+            param,
+            nn.Parameter(
+                _to_dtensor(param.detach(), mesh, placements), requires_grad=param.requires_grad
+            ),
         )
     for name, buffer in model.named_buffers(remove_duplicate=False):
         if id(buffer) in memo:
@@ -127,6 +130,17 @@ def _copy_with_dtensors(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
         placements = plan.buffer_placements.get(name, tuple(_replicate(mesh)))
         memo[id(buffer)] = _to_dtensor(buffer, mesh, placements)
     return copy.deepcopy(model, memo)
+
+
+def _with_attributes_of(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``target`` with the Python attributes set on ``source`` that it lacks: what a library
+    or the user marked on a parameter (Hugging Face flags a tied weight
+    ``_is_hf_initialized`` so that its ``init_weights`` draws it once, as the embedding;
+    ``_no_weight_decay`` and the like) follows it into the parallel module."""
+    for key, value in vars(source).items():
+        if key not in vars(target):
+            setattr(target, key, value)
+    return target
 
 
 def _replicate(mesh: DeviceMesh) -> list:
