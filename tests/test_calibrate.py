@@ -350,7 +350,19 @@ def test_the_cli_plans_on_a_profile_and_refuses_a_missing_one(tmp_path):
         code = main([*TINY_PLAN_ARGS, "--hardware", str(path), "--no-save", "--out", str(out)])
         missing = main([*TINY_PLAN_ARGS, "--hardware", str(tmp_path / "nope.json")])
         unlaunched = main(["calibrate", "--out", str(tmp_path / "p.json")])
+        bad_grid = main(
+            [
+                "calibrate",
+                "--nproc",
+                "2",
+                "--matmul-grid",
+                "64,16",
+                "--out",
+                str(tmp_path / "p.json"),
+            ]
+        )
     assert code == 0, stderr.getvalue()
+    assert bad_grid == 2 and "--matmul-grid '64,16': give at least two rising" in stderr.getvalue()
     assert json.loads(out.read_text())["hardware"]["name"] == "my-cluster"
     assert f"priced on my-cluster (profile {path})" in stdout.getvalue()
     assert missing == 2 and "no such hardware profile" in stderr.getvalue()

@@ -53,6 +53,12 @@ def add_commands(commands: Any) -> None:
     calibrate.add_argument(
         "--rounds", type=int, default=3, help="passes over every size; the median counts"
     )
+    calibrate.add_argument(
+        "--matmul-grid",
+        default=None,
+        help="dimensions whose every (M, K, N) the matmul table times, e.g. 16,64,256,1024 "
+        "(default: 16-1024 on CPU, 64-16384 on GPU); none: no table",
+    )
     calibrate.add_argument("--name", default=None, help="the profile's hardware name")
 
 
@@ -87,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         max_bytes=int(max_bytes),
         repeats=args.repeats,
         rounds=args.rounds,
+        matmul_grid=_matmul_grid(args.matmul_grid),
         name=args.name,
     )
     if args.nproc is not None:
@@ -98,6 +105,25 @@ def run(args: argparse.Namespace) -> int:
     result.write(args.out)
     print(f"wrote {args.out} ({result.hardware.name})")
     return 0
+
+
+def _matmul_grid(text: str | None) -> tuple[int, ...] | None:
+    """``--matmul-grid``: None (the device's default), () for "none", else rising dims."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        dims = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--matmul-grid {text!r}: give rising positive integers, e.g. 16,64,256,1024, or none"
+        ) from None
+    if len(dims) < 2 or any(d < 1 for d in dims) or list(dims) != sorted(set(dims)):
+        raise UsageError(
+            f"--matmul-grid {text!r}: give at least two rising positive integers, e.g. 16,64,256,1024"
+        )
+    return dims
 
 
 def _calibrate_launched(settings: Any) -> Any:
