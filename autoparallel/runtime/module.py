@@ -134,9 +134,9 @@ def _copy_with_dtensors(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
 
 def _with_attributes_of(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``target`` with the Python attributes set on ``source`` that it lacks: what a library
-    or the user marked on a parameter (Hugging Face flags a tied weight
-    ``_is_hf_initialized`` so that its ``init_weights`` draws it once, as the embedding;
-    ``_no_weight_decay`` and the like) follows it into the parallel module."""
+    or the user marked on a parameter (Hugging Face's ``_is_hf_initialized`` on weights it
+    loaded or tied, which its ``init_weights`` then leaves alone; ``_no_weight_decay`` and
+    the like) follows it into the parallel module."""
     for key, value in vars(source).items():
         if key not in vars(target):
             setattr(target, key, value)
