@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from autoparallel.cost.hardware import Hardware
+from autoparallel.cost.matmul_table import MatmulTable
 from autoparallel.trace.view_ops import is_view_op as is_free_op
 from autoparallel.types.tensors import TensorInfo
 
@@ -171,12 +172,15 @@ def priced_by_table(op: Any, args: tuple, hardware: Hardware) -> bool:
 
 
 def _table_matmul_us(
-    dims: tuple[int, int, int, int], args: tuple, kwargs: dict, output: Any, hardware: Hardware
+    table: MatmulTable,
+    dims: tuple[int, int, int, int],
+    args: tuple,
+    kwargs: dict,
+    output: Any,
+    hardware: Hardware,
 ) -> float:
-    """A matmul's time from ``hardware.matmul_table``, scaled from the table's dtype to the
+    """A matmul's time from ``table`` (``hardware``'s), scaled from the table's dtype to the
     op's by the peak FLOP/s of each (a bf16 matmul on a host measured in fp32)."""
-    table = hardware.matmul_table
-    assert table is not None
     batch, m, k, n = dims
     per_matmul_bytes = bytes_moved(args, kwargs, output) / max(1, batch)
     time_us = batch * table.time_us(m, k, n, per_matmul_bytes)
@@ -224,7 +228,7 @@ def compute_cost_us(
     if hardware.matmul_table is not None:
         dims = matmul_dims(op, args)
         if dims is not None:
-            return _table_matmul_us(dims, args, kwargs, output, hardware)
+            return _table_matmul_us(hardware.matmul_table, dims, args, kwargs, output, hardware)
     flops = flop_count(op, args, kwargs, output)
     compute_s = 0.0
     if flops:

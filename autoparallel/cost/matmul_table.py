@@ -53,15 +53,17 @@ class MatmulTable:
 
     def time_us(self, m: int, k: int, n: int, nbytes: float) -> float:
         """The time of one (m x k) @ (k x n) matmul touching ``nbytes`` in all."""
-        warm = self._interpolate(self.warm_us, (m, k, n))
-        cold = self._interpolate(self.cold_us, (m, k, n))
+        corners = [self._bracket(d) for d in (m, k, n)]
+        beyond = math.prod(max(1.0, d / self.dims[-1]) for d in (m, k, n))
+        warm = self._interpolate(self.warm_us, corners) * beyond
+        cold = self._interpolate(self.cold_us, corners) * beyond
         cold_share = min(1.0, max(0.0, nbytes / self.cold_bytes))
         return warm + cold_share * max(0.0, cold - warm)
 
-    def _interpolate(self, times: Sequence[float], shape: tuple[int, int, int]) -> float:
-        """Trilinear interpolation of log(time) over log(dim), clamped to the grid; beyond
-        its largest dimension the time grows in proportion."""
-        corners = [self._bracket(d) for d in shape]
+    def _interpolate(self, times: Sequence[float], corners: list[list[tuple[int, float]]]) -> float:
+        """Trilinear interpolation of log(time) over log(dim) between the grid ``corners``
+        of (M, K, N) (each dim clamped to the grid: beyond its largest dimension the caller
+        scales in proportion)."""
         size = len(self.dims)
         log_time = 0.0
         for a, wa in corners[0]:
@@ -70,8 +72,7 @@ class MatmulTable:
                     weight = wa * wb * wc
                     if weight:
                         log_time += weight * math.log(times[(a * size + b) * size + c])
-        beyond = math.prod(max(1.0, d / self.dims[-1]) for d in shape)
-        return math.exp(log_time) * beyond
+        return math.exp(log_time)
 
     def _bracket(self, dim: int) -> list[tuple[int, float]]:
         """The grid indices around ``dim`` and their weights (log scale)."""

@@ -780,7 +780,7 @@ def solve(
     )
     basis = outcome.basis
     if basis is not None:
-        basis = dataclasses.replace(basis, plan_values=np.array(values, copy=True))
+        basis = dataclasses.replace(basis, plan_values=values)
     return Solution(choice=choice, stats=stats, auxiliary=extra, warm_start=basis)
 
 
