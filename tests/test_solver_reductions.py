@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import highspy
 import numpy as np
@@ -17,13 +18,14 @@ from autoparallel import AutoParallel
 from autoparallel import _torch_internals as internals
 from autoparallel.cost import TRANSITION_COST_US, PairPricer, direct_redistribution_cost_us
 from autoparallel.models import MLP, Llama, llama_config
+from autoparallel.solver import fixing
 from autoparallel.solver import highs as highs_solver
+from autoparallel.solver.fixing import dive, integral, relaxation
 from autoparallel.solver.highs import (
     SolverOptions,
     _all_rows,
     _auxiliary,
     _priced,
-    _relaxation,
     _run,
     _to_highs,
     solve,
@@ -56,9 +58,10 @@ def _without_buckets(problem, use_routes: bool = True):
     return rebuilt
 
 
-def _autop(mesh) -> AutoParallel:
+def _autop(mesh, hardware: str | None = None) -> AutoParallel:
     model = meta(lambda: Llama(CONFIG))
-    autop = AutoParallel(model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), mesh)
+    inputs = lambda: torch.randint(0, CONFIG.vocab_size, (8, 32))  # noqa: E731
+    autop = AutoParallel(model, inputs, mesh, hardware=hardware)
     autop.__enter__()
     inp = batch_sharded(mesh.ndim)
     autop.add_input_constraints([inp])
@@ -141,7 +144,7 @@ def test_the_priced_search_at_the_relaxations_duals_meets_the_budget(fake_mesh):
     highs.setOptionValue("output_flag", False)
     highs.passModel(_to_highs(problem, rows, auxiliary))
     options = SolverOptions()
-    assert _relaxation(highs, options) == "Optimal"
+    assert relaxation(highs, options) == "Optimal"
     bound = highs.getInfo().objective_function_value
     found = _priced(priced_plan, highs, problem, rows, auxiliary, options, 60.0)
     assert found is not None and found.objective >= bound - 1e-6
@@ -434,3 +437,45 @@ def test_route_flows_keep_the_optimum_under_reduce_dtype_constraints(fake_mesh):
     by_pairs = solve(pairs, SolverOptions(time_limit_s=600)).stats
     assert by_flows.status == by_pairs.status == "Optimal"
     assert by_flows.objective == pytest.approx(by_pairs.objective, rel=1e-9)
+
+
+def test_the_dive_fixes_a_fractional_relaxation_near_the_optimum(fake_mesh):
+    """The dive fixes one node class at a time and re-solves the relaxation until it is
+    integral: a plan (one strategy per node class) within fix_gap of the relaxation's bound
+    (so of the optimum), with the column bounds left as it found them."""
+    problem = _autop(fake_mesh((2, 2)), "cpu").sharding_optimizer.problem
+    options = SolverOptions(lp_first_min_variables=0)
+    names = list(problem.user_constraints)
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("threads", options.threads)
+    highs.passModel(_to_highs(problem, _all_rows(problem, names), _auxiliary(problem, names)))
+    assert relaxation(highs, options) == "Optimal"
+    assert not integral(highs, problem, None, options)  # the parameter budget binds
+    bound = float(highs.getInfo().objective_function_value)
+    relaxed = np.asarray(highs.getSolution().col_value)
+    lower, upper = np.array(highs.getLp().col_lower_), np.array(highs.getLp().col_upper_)
+
+    plan = dive(highs, problem, None, options, time.perf_counter() + 60.0, relaxed, bound)
+
+    assert plan is not None
+    assert bound <= plan.objective + 1e-9 and plan.gap(bound) <= options.fix_gap
+    for columns in problem.node_columns.values():
+        assert sorted(np.round(plan.values[columns], 6)) == [0.0] * (len(columns) - 1) + [1.0]
+    assert np.array_equal(highs.getLp().col_lower_, lower)
+    assert np.array_equal(highs.getLp().col_upper_, upper)
+
+
+@pytest.mark.parametrize("share, method", [(0.0, "lp+dive"), (1.01, "lp+fix")])
+def test_the_dive_goes_first_where_relax_and_fix_would_leave_a_large_mip(
+    fake_mesh, monkeypatch, share, method
+):
+    """Relax and fix's MIP is over the node classes the relaxation left without a strategy
+    above 0.5; where that share reaches DIVE_UNFIXED_SHARE (a relaxation averaging a plan
+    and its mirror image), the dive runs first and its plan is kept within fix_gap."""
+    problem = _autop(fake_mesh((2, 2)), "cpu").sharding_optimizer.problem
+    monkeypatch.setattr(fixing, "DIVE_UNFIXED_SHARE", share)
+    found = solve(problem, SolverOptions(lp_first_min_variables=0))
+    assert found.stats.method == method
+    assert found.stats.bound <= found.stats.objective
+    assert found.stats.gap <= SolverOptions().fix_gap

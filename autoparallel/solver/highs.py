@@ -14,22 +14,19 @@ LLaMA-3 8B (8, 8) this halves the solve (no MIP presolve, heuristics or root nod
 ``lp_first_min_variables`` (where the MIP is quick anyway). Both paths find an optimum of the
 same problem; among equally priced plans they may pick different ones.
 
-Relax and fix: a knapsack row (a memory budget that binds) leaves the relaxation fractional
-in a few nodes only. Branch and bound over the whole problem then takes minutes on an 8B
-model, so the nodes the relaxation chose integrally are fixed to that choice and the MIP
-runs over the rest (seconds). Its plan is accepted when it is within ``fix_gap`` of the
-relaxation's objective, a lower bound on every plan's (``plan.solver.gap`` says how far);
-otherwise the full MIP runs, starting from it, for at most ``polish_time_s``: on LLaMA-3 8B
-under a budget it ran 170 s to improve a plan 3 % above its bound, and the price refit that
-followed replaced that plan anyway (a plan that a cost model within 20 % of the machine
-calls 3 % slower is not worth minutes). Without any plan found before it, the MIP has the
-whole ``time_limit_s``.
+Fixing a fractional relaxation (solver/fixing.py): branch on the recompute counts, the
+dive, relax and fix; a plan within ``fix_gap`` of the relaxation's objective (a lower
+bound on every plan's) is accepted, and ``plan.solver.gap`` says how far it is. Otherwise
+the full MIP runs, starting from the best plan found, for at most ``polish_time_s``: on
+LLaMA-3 8B under a budget it ran 170 s to improve a plan 3 % above its bound, and the price
+refit that followed replaced that plan anyway (a plan that a cost model within 20 % of the
+machine calls 3 % slower is not worth minutes). Without any plan found before it, the MIP
+has the whole ``time_limit_s``.
 
 Priced search: where a memory budget binds, pricing its rows into the objective
 (solver/priced.py) gives an integral plan within the budget in a few warm-started LP solves.
-After a fractional relaxation it runs at the relaxation's duals, where fixing (relax and fix,
-or the branch on the counts below) found no plan within ``fix_gap``: fixing goes first, as
-on LLaMA-3 8B under a halfway budget it found the plan in 1-2 s where the priced search took
+After a fractional relaxation it runs at the relaxation's duals, where fixing (solver/fixing.py)
+found no plan within ``fix_gap``: fixing goes first, as on LLaMA-3 8B under a halfway budget it found the plan in 1-2 s where the priced search took
 2-4 s and came out further from the bound. A relaxation with budget rows that has not
 finished after ``budget_relaxation_wait_s`` hands over to the priced search from scratch
 (no duals: the mean budget row, each priced LP also a Lagrangian lower bound, so its plan
@@ -39,16 +36,9 @@ relaxation does not finish in time. (On today's problems the relaxation finishes
 where the search from scratch took 3-5 s first and rarely came close enough: LLaMA-3 8B and
 70B on (8, 8) under budgets, ``benchmarks/plan_time.py``.)
 
-Branch on the counts: a memory constraint that may recompute layers adds a few integer
-columns (how many layers of each class, solver/recompute.py). The relaxation spreads a count
-over a fraction of a layer, so those columns alone are branched on first (a small tree of
-relaxations, relax and fix where a node's counts come out integral, nodes pruned within
-``fix_gap`` of the best plan); the full MIP runs only if no plan comes within ``fix_gap`` of
-the smallest relaxation left.
-
 A re-solve after the prices were refitted to the last plan (ShardingOptimizer.resolve)
 keeps that plan when, at the new prices, it is within ``fix_gap`` of the new relaxation's
-bound ("lp+kept"): no relax and fix runs again.
+bound ("lp+kept"): nothing is fixed again.
 """
 
 from __future__ import annotations
@@ -62,6 +52,16 @@ from dataclasses import dataclass, field
 import highspy
 import numpy as np
 
+from autoparallel.solver.fixing import (
+    FEASIBLE,
+    MIN_STEP_S,
+    Candidate,
+    Found,
+    fixed_plan,
+    integral,
+    relaxation,
+)
+from autoparallel.solver.options import SolverOptions
 from autoparallel.solver.priced import (
     PricedPlan,
     PriceSearch,
@@ -85,65 +85,6 @@ class InfeasibleConstraintsError(ValueError):
             "no plan satisfies these constraints together:\n"
             f"{lines}\nremove or change one of them (sharding_optimizer.remove_constraints([...]))"
         )
-
-
-@dataclass(frozen=True)
-class SolverOptions:
-    """How HiGHS solves a Problem. Frozen: a session's options are fixed when it starts.
-
-    Attributes:
-        time_limit_s: wall-clock budget of one solve; on a time-out the best plan found is
-            returned with a warning (``plan.solver.status`` says so).
-        relative_gap: the MIP stops once (objective - bound) / objective is below this.
-        threads: HiGHS threads (1: planning runs beside other work and stays deterministic).
-        lp_first: solve the LP relaxation first and accept it when it comes out integral
-            (a proven optimum without branching); see the module docstring.
-        lp_first_min_variables: below this many variables the MIP is solved directly: it
-            costs little there, and small plans keep the MIP's choice among equal optima.
-        integrality_tolerance: ``|x - round(x)|`` below this on every integer column counts
-            as integral (HiGHS's own ``mip_feasibility_tolerance`` is 1e-6).
-        fix_gap: a fractional relaxation's relax-and-fix plan is accepted within this
-            relative distance of the relaxation's objective (see the module docstring);
-            0 always runs the full MIP after it.
-        polish_time_s: the full MIP that improves on a plan found by the steps before it
-            (relax and fix, the priced search) runs at most this long; the plan then carries
-            its gap (``plan.solver.gap``). A MIP with no such plan to start from has the
-            whole ``time_limit_s``.
-        priced_search: with budget rows (a memory budget), look for a plan by pricing the
-            budget into the objective (solver/priced.py: a few warm-started LPs) where
-            fixing the relaxation found none within ``fix_gap``, or where the relaxation is
-            slow (see ``budget_relaxation_wait_s``).
-        budget_relaxation_wait_s: how long the relaxation with budget rows may run before
-            the priced search from scratch takes over (the relaxation then runs on after
-            it); 2-3 s on LLaMA-3 8B and 70B on (8, 8) under their budgets.
-        relaxation_solver: HiGHS's LP solver for the relaxation: "simplex" (a vertex, fast
-            when the relaxation is integral: LLaMA-3 8B on (8, 8) 3.0 s against 18.1 s) or
-            "ipm" (interior point with crossover: faster on a hard memory budget, the tiny
-            LLaMA on (2, 2) at 70 % of its free peak 17 s against 60 s).
-    """
-
-    time_limit_s: float = 300.0
-    relative_gap: float = 1e-4
-    threads: int = 1
-    lp_first: bool = True
-    lp_first_min_variables: int = 50_000
-    integrality_tolerance: float = 1e-6
-    fix_gap: float = 0.01
-    polish_time_s: float = 30.0
-    priced_search: bool = True
-    budget_relaxation_wait_s: float = 15.0
-    relaxation_solver: str = "simplex"
-
-
-@dataclass(frozen=True)
-class _Candidate:
-    """A plan found along the way: its objective and every column's value."""
-
-    objective: float
-    values: np.ndarray
-
-    def gap(self, bound: float) -> float:
-        return max(0.0, (self.objective - bound) / max(abs(self.objective), 1e-12))
 
 
 @dataclass(frozen=True)
@@ -174,7 +115,7 @@ class _Outcome:
     elapsed_s: float
     method: str
     bound: float | None
-    plan: _Candidate | None = None
+    plan: Candidate | None = None
     basis: _Basis | None = None  # where the next solve at refitted prices starts
     polish_s: float | None = None  # the full MIP's limit when it only improved a plan
 
@@ -238,7 +179,7 @@ def _run(
     warm_start: _Basis | None = None,
 ) -> _Outcome:
     """Solve; the returned Highs holds the solution. With ``lp_first``, an integral
-    relaxation is returned as is, a fractional one goes through relax and fix (see the
+    relaxation is returned as is, a fractional one is fixed (solver/fixing.py, see the
     module docstring), else the MIP runs. ``warm_start``: another solve's basis of the same
     rows and columns, which the first LP starts from."""
     highs = highspy.Highs()
@@ -253,7 +194,7 @@ def _run(
     start = time.perf_counter()
 
     def remaining() -> float:
-        return max(_MIN_STEP_S, float(options.time_limit_s) - (time.perf_counter() - start))
+        return max(MIN_STEP_S, float(options.time_limit_s) - (time.perf_counter() - start))
 
     polish_s = None
 
@@ -278,7 +219,7 @@ def _run(
             found = _priced(
                 priced_from_scratch, highs, problem, rows, auxiliary, options, remaining()
             )
-            early = None if found is None else _Candidate(found.objective, found.values)
+            early = None if found is None else Candidate(found.objective, found.values)
             if early is not None and early.gap(found.bound) <= options.fix_gap:
                 elapsed = time.perf_counter() - start
                 basis = _Basis(highs.getBasis(), of_relaxation=False, cold_s=cold_s)
@@ -286,14 +227,14 @@ def _run(
                 # "lp": the plan without the budget meets it
                 return _Outcome(highs, "Optimal", elapsed, method, found.bound, early, basis)
             allow(highs, remaining())
-            status = _relaxation(highs, options)
+            status = relaxation(highs, options)
         basis = _Basis(highs.getBasis(), True, cold_s) if status.lower() == "optimal" else None
         if early is not None and status.lower() != "optimal" and not _is_infeasible(status):
             # the relaxation did not finish: the priced plan is the best there is
             elapsed = time.perf_counter() - start
             return _Outcome(highs, status, elapsed, "lp+price", found.bound, early)
         if _is_infeasible(status) or (
-            status.lower() == "optimal" and _integral(highs, problem, auxiliary, options)
+            status.lower() == "optimal" and integral(highs, problem, auxiliary, options)
         ):
             objective = float(highs.getInfo().objective_function_value)
             return _Outcome(
@@ -310,7 +251,7 @@ def _run(
             # fixing first (on LLaMA-3 8B under a halfway budget it found the plan in
             # 1-2 s, where the priced search took 2-4 s and missed), then the priced
             # search at the relaxation's duals where fixing found nothing close enough
-            best = _fixed_plan(
+            best = fixed_plan(
                 highs, problem, auxiliary, counts, options, remaining(), bound, relaxed
             )
             if best is None or best.gap > options.fix_gap:
@@ -321,8 +262,8 @@ def _run(
                     if priced is not None and (
                         best is None or priced.objective < best.plan.objective
                     ):
-                        candidate = _Candidate(priced.objective, priced.values)
-                        best = _Found(candidate, bound if best is None else best.bound, "lp+price")
+                        candidate = Candidate(priced.objective, priced.values)
+                        best = Found(candidate, bound if best is None else best.bound, "lp+price")
             if best is not None:
                 if best.gap <= options.fix_gap:
                     elapsed = time.perf_counter() - start
@@ -332,7 +273,7 @@ def _run(
                 highs.setSolution(_as_solution(best.plan))  # the full MIP starts from it
                 polish_s = min(remaining(), float(options.polish_time_s))
             logger.info(
-                "relax and fix found no plan within %.1f%%: running branch and bound%s",
+                "fixing found no plan within %.1f%%: running branch and bound%s",
                 100 * options.fix_gap,
                 "" if polish_s is None else f" for at most {polish_s:.0f} s",
             )
@@ -345,7 +286,7 @@ def _run(
 
 def _kept_plan(
     highs: highspy.Highs, warm_start: _Basis | None, bound: float, options: SolverOptions
-) -> _Candidate | None:
+) -> Candidate | None:
     """The last solve's plan, where it is within ``fix_gap`` of this relaxation's ``bound``
     at the prices now in ``highs``: a re-solve after the prices were refitted to that plan
     (same rows, so it is still feasible) then needs no relax and fix. On LLaMA-3 8B on a
@@ -358,7 +299,7 @@ def _kept_plan(
     if len(values) != lp.num_col_:
         return None
     objective = float(np.dot(np.asarray(lp.col_cost_), values) + lp.offset_)
-    kept = _Candidate(objective, values)
+    kept = Candidate(objective, values)
     if kept.gap(bound) > options.fix_gap:
         return None
     logger.info(
@@ -366,41 +307,6 @@ def _kept_plan(
         100 * kept.gap(bound),
     )
     return kept
-
-
-@dataclass(frozen=True)
-class _Found:
-    """A plan, the lower bound it is measured against, and the method that found it."""
-
-    plan: _Candidate
-    bound: float
-    method: str
-
-    @property
-    def gap(self) -> float:
-        return self.plan.gap(self.bound)
-
-
-def _fixed_plan(
-    highs: highspy.Highs,
-    problem: Problem,
-    auxiliary: AuxiliaryColumns | None,
-    counts: np.ndarray,
-    options: SolverOptions,
-    time_limit_s: float,
-    bound: float,
-    relaxed: np.ndarray,
-) -> _Found | None:
-    """The plan that fixing the fractional relaxation ``relaxed`` (objective ``bound``)
-    gives: branching on the recompute counts where they are fractional, else relax and
-    fix; None when it finds none."""
-    if len(counts) and not _integral_in(relaxed, counts, options):
-        branched = _branch_on_counts(
-            highs, problem, auxiliary, counts, options, time_limit_s, (bound, relaxed)
-        )
-        return None if branched is None else _Found(branched[0], branched[1], "lp+fix")
-    fixed = _relax_and_fix(highs, problem, options, time_limit_s, relaxed, bound)
-    return None if fixed is None else _Found(fixed, bound, "lp+fix")
 
 
 WARM_START_FACTOR = 2.0
@@ -423,7 +329,7 @@ def _first_relaxation(
     if warm_start is not None:
         cap = max(WARM_START_FACTOR * warm_start.cold_s, WARM_START_MIN_S)
         allow(highs, min(wait_s, cap))
-        status = _relaxation(highs, options)
+        status = relaxation(highs, options)
         if not _timed_out(status) or cap >= wait_s:
             return status, warm_start.cold_s
         logger.info("the warm-started relaxation ran past %.1f s: starting it again cold", cap)
@@ -431,7 +337,7 @@ def _first_relaxation(
         wait_s -= cap
     allow(highs, wait_s)
     began = time.perf_counter()
-    status = _relaxation(highs, options)
+    status = relaxation(highs, options)
     return status, time.perf_counter() - began
 
 
@@ -442,182 +348,6 @@ def _start_from(highs: highspy.Highs, basis: highspy.HighsBasis) -> None:
         return
     if highs.setBasis(basis) != highspy.HighsStatus.kOk:
         logger.debug("warm start refused: the relaxation starts cold")
-
-
-def _relaxation(highs: highspy.Highs, options: SolverOptions) -> str:
-    """Solve the LP relaxation of the model ``highs`` holds; returns its status. The
-    simplex starts from the basis ``highs`` holds (the last LP's, or one set by
-    ``_start_from``). Measured on LLaMA-3 8B's refits: the dual simplex from the last
-    solve's basis took 2-21 s against 23-33 s cold; the primal simplex from it 84-117 s."""
-    highs.setOptionValue("solve_relaxation", True)
-    highs.setOptionValue("solver", options.relaxation_solver)
-    began = time.perf_counter()
-    highs.run()
-    highs.setOptionValue("solver", "choose")
-    highs.setOptionValue("solve_relaxation", False)
-    status = highs.modelStatusToString(highs.getModelStatus())
-    logger.debug("relaxation: %s in %.2f s", status, time.perf_counter() - began)
-    return status
-
-
-FIX_THRESHOLDS = (0.5, 0.9)
-"""Relax and fix tries fixing the columns the relaxation set strictly above each of these
-(then the ones it set to 1): the more it fixes, the smaller the MIP left, the likelier it
-misses. Strictly: a node the relaxation splits half and half between two strategies would
-have both fixed at 0.5 (LLaMA-3 8B on a gloo profile: 1459 columns fixed at >= 0.5, no plan,
-and the MIP left after the 0.9 pass took 32 s)."""
-
-
-def _relax_and_fix(
-    highs: highspy.Highs,
-    problem: Problem,
-    options: SolverOptions,
-    time_limit_s: float,
-    relaxed: np.ndarray | None = None,
-    bound: float | None = None,
-) -> _Candidate | None:
-    """Fix the strategy columns the relaxation (``relaxed``, of objective ``bound``; by
-    default the one ``highs`` holds) set above a threshold (FIX_THRESHOLDS, then 1) and
-    solve the MIP over the rest. Returns the first plan within ``options.fix_gap`` of the
-    relaxation's objective, else the best plan found (None if none); the column bounds are
-    restored either way."""
-    if relaxed is None or bound is None:
-        bound = float(highs.getInfo().objective_function_value)
-        relaxed = np.asarray(highs.getSolution().col_value)
-    values = relaxed[: problem.num_variables]
-    deadline = time.perf_counter() + time_limit_s
-    # a plan is accepted within fix_gap of the bound: the MIPs over the rest need not
-    # prove more than half of it
-    highs.setOptionValue("mip_rel_gap", max(float(options.relative_gap), options.fix_gap / 2))
-    try:
-        return _fix_in_turn(highs, problem, options, values, bound, deadline)
-    finally:
-        highs.setOptionValue("mip_rel_gap", float(options.relative_gap))
-
-
-def _fix_in_turn(
-    highs: highspy.Highs,
-    problem: Problem,
-    options: SolverOptions,
-    values: np.ndarray,
-    bound: float,
-    deadline: float,
-) -> _Candidate | None:
-    best: _Candidate | None = None
-    tried: set[bytes] = set()  # a higher threshold often fixes the same columns
-    for threshold in (*FIX_THRESHOLDS, 1.0 - options.integrality_tolerance):
-        fixed = np.flatnonzero(problem.integrality & (values > threshold)).astype(np.int32)
-        if not len(fixed) or fixed.tobytes() in tried or time.perf_counter() >= deadline:
-            continue
-        tried.add(fixed.tobytes())
-        count = len(fixed)
-        highs.changeColsBounds(count, fixed, np.ones(count), np.ones(count))
-        allow(highs, deadline - time.perf_counter(), mip=True)
-        highs.run()
-        status = highs.modelStatusToString(highs.getModelStatus())
-        found = highs.getInfo().primal_solution_status == _FEASIBLE
-        plan = None
-        if found:
-            objective = float(highs.getInfo().objective_function_value)
-            plan = _Candidate(objective, np.asarray(highs.getSolution().col_value))
-            best = plan if best is None or plan.objective < best.objective else best
-        highs.changeColsBounds(count, fixed, np.zeros(count), np.ones(count))
-        logger.debug(
-            "relax and fix at %.2f: %d columns fixed, %s, %s",
-            threshold,
-            count,
-            status,
-            "no plan" if plan is None else f"{100 * plan.gap(bound):.3f}% above the bound",
-        )
-        if plan is not None and status.lower() == "optimal" and plan.gap(bound) <= options.fix_gap:
-            logger.info(
-                "relax and fix (columns above %.2f fixed): %.3f%% above the relaxation's bound",
-                threshold,
-                100 * plan.gap(bound),
-            )
-            return plan
-    return best
-
-
-def _branch_on_counts(
-    highs: highspy.Highs,
-    problem: Problem,
-    auxiliary: AuxiliaryColumns | None,
-    counts: np.ndarray,
-    options: SolverOptions,
-    time_limit_s: float,
-    root: tuple[float, np.ndarray],
-) -> tuple[_Candidate, float] | None:
-    """Branch and bound over the few integer auxiliary columns only (how many layers each
-    class recomputes): the relaxation spreads a count over a fraction of a layer, which the
-    full MIP takes minutes to undo. Each node solves the relaxation with the counts
-    bounded; where the counts come out integral, relax and fix finds the plan. ``root``:
-    the relaxation with the counts unbounded, already solved (objective, column values),
-    which the tree starts from instead of solving it again (seconds on LLaMA-3 8B). Returns
-    the best plan and a lower bound on every plan's objective (the smallest relaxation
-    among the nodes left), or None if no plan was found; the bounds are restored."""
-    original = (
-        np.asarray(auxiliary.lower)[auxiliary.integral],
-        np.asarray(auxiliary.upper)[auxiliary.integral],
-    )
-    deadline = time.perf_counter() + time_limit_s
-    stack = [(original[0].copy(), original[1].copy(), -np.inf)]
-    best: _Candidate | None = None
-    bounds: list[float] = []  # the relaxations of the nodes closed without branching
-
-    def pruned(bound: float) -> bool:  # nothing below it could beat best by fix_gap
-        return best is not None and bound >= best.objective * (1 - options.fix_gap)
-
-    solved: tuple[float, np.ndarray] | None = root
-    while stack:
-        lower, upper, parent = stack.pop()
-        if pruned(parent):
-            bounds.append(parent)
-            continue
-        if time.perf_counter() >= deadline:
-            bounds.append(parent)
-            continue
-        if solved is None:
-            highs.changeColsBounds(len(counts), counts, lower, upper)
-            allow(highs, deadline - time.perf_counter())
-            status = _relaxation(highs, options)
-            if status.lower() != "optimal":
-                continue  # infeasible (or stopped): no plan with these counts
-            solved = (
-                float(highs.getInfo().objective_function_value),
-                np.asarray(highs.getSolution().col_value),
-            )
-        (objective, values), solved = solved, None
-        if pruned(objective):
-            bounds.append(objective)
-            continue
-        at = values[counts]
-        fractional = np.flatnonzero(np.abs(at - np.round(at)) > options.integrality_tolerance)
-        if len(fractional):
-            j, value = fractional[0], at[fractional[0]]
-            down, up = upper.copy(), lower.copy()
-            down[j], up[j] = np.floor(value), np.ceil(value)
-            stack.append((lower, down, objective))
-            stack.append((up, upper, objective))  # more recomputed first: likelier to fit
-            continue
-        bounds.append(objective)
-        plan = (
-            _Candidate(objective, values)
-            if _integral(highs, problem, auxiliary, options)
-            else _relax_and_fix(
-                highs, problem, options, max(_MIN_STEP_S, deadline - time.perf_counter())
-            )
-        )
-        if plan is not None and (best is None or plan.objective < best.objective):
-            best = plan
-    highs.changeColsBounds(len(counts), counts, original[0], original[1])
-    if best is None:
-        return None
-    bound = min(bounds, default=best.objective)
-    logger.info(
-        "recompute counts branched on: %.3f%% above the relaxation's bound", 100 * best.gap(bound)
-    )
-    return best, min(bound, best.objective)
 
 
 def _integral_mask(problem: Problem, auxiliary: AuxiliaryColumns | None) -> np.ndarray:
@@ -650,7 +380,7 @@ def _priced(
             rows,
             budget,
             _integral_mask(problem, auxiliary),
-            lambda: _relaxation(highs, options),
+            lambda: relaxation(highs, options),
             began + time_limit_s,
             options.integrality_tolerance,
         ),
@@ -667,38 +397,11 @@ def _count_columns(problem: Problem, auxiliary: AuxiliaryColumns | None) -> np.n
     return (problem.num_variables + np.flatnonzero(auxiliary.integral)).astype(np.int32)
 
 
-def _integral_in(values: np.ndarray, columns: np.ndarray, options: SolverOptions) -> bool:
-    at = values[columns]
-    return bool(np.all(np.abs(at - np.round(at)) <= options.integrality_tolerance))
-
-
-def _as_solution(plan: _Candidate) -> highspy.HighsSolution:
+def _as_solution(plan: Candidate) -> highspy.HighsSolution:
     solution = highspy.HighsSolution()
     solution.col_value = plan.values.tolist()
     solution.value_valid = True
     return solution
-
-
-def _integral(
-    highs: highspy.Highs,
-    problem: Problem,
-    auxiliary: AuxiliaryColumns | None,
-    options: SolverOptions,
-) -> bool:
-    values = np.asarray(highs.getSolution().col_value)
-    extra = 0 if auxiliary is None else len(auxiliary)
-    if len(values) != problem.num_variables + extra:
-        return False
-    integer = values[: problem.num_variables][problem.integrality]
-    if auxiliary is not None:
-        integer = np.concatenate([integer, values[problem.num_variables :][auxiliary.integral]])
-    return bool(np.all(np.abs(integer - np.round(integer)) <= options.integrality_tolerance))
-
-
-_MIN_STEP_S = 1e-3
-"""The time limit of a solve step once the user's is spent: stop at once, keep what was found."""
-
-_FEASIBLE = 2  # HiGHS's kSolutionStatusFeasible: the values meet every row and bound
 
 
 def _is_infeasible(status: str) -> bool:
@@ -730,7 +433,7 @@ def solve(
     auxiliary = _auxiliary(problem, names)
     if len(values) != problem.num_variables + (0 if auxiliary is None else len(auxiliary)):
         raise RuntimeError(f"HiGHS returned no solution (status: {status})")
-    feasible = plan is not None or info.primal_solution_status == _FEASIBLE
+    feasible = plan is not None or info.primal_solution_status == FEASIBLE
     if status.lower() != "optimal" and not feasible:
         raise RuntimeError(
             f"the solver stopped ({status}) after {elapsed:.0f} s before it found a plan that "

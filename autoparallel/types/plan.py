@@ -29,8 +29,8 @@ class SolverStats:
     num_constraints: int
     # "lp": the LP relaxation came out integral (a proven optimum without branching);
     # "lp+price": a memory budget priced into the objective gave a plan within fix_gap of
-    # the relaxation's bound; "lp+fix": relax and fix (or branching on the recompute
-    # counts) did; "lp+kept": a re-solve at refitted prices kept the plan it started from,
+    # the relaxation's bound; "lp+dive": fixing node classes one by one did
+    # (solver/fixing.py); "lp+fix": relax and fix (or branching on the recompute counts) did; "lp+kept": a re-solve at refitted prices kept the plan it started from,
     # within fix_gap of the new relaxation's bound; "mip": branch and bound ran (small
     # problems, or a fractional relaxation)
     method: str = "mip"
