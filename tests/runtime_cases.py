@@ -42,6 +42,33 @@ def max_error(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b if b[k] is not None)
 
 
+RELATIVE_TOLERANCE = 1e-3
+"""Each parameter's gradient against the single-device one, relative to that gradient's
+largest entry: the absolute TOLERANCE alone misses a gradient that is wrong by half its
+size when the whole gradient is ~1e-5 (the tiny MoE's router under torch 2.14.1's Inductor)."""
+
+
+def assert_trained_alike(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Step 0's gradients (absolutely and per parameter relative to its own size) and the
+    parameters after the last step equal the single-device run's."""
+    assert max_error(result["grads"], reference["grads"]) < TOLERANCE
+    error, name = worst_relative_error(result["grads"], reference["grads"])
+    assert error < RELATIVE_TOLERANCE, f"{name}'s gradient is {error:.1%} off"
+    assert max_error(result["params"], reference["params"]) < TOLERANCE
+
+
+def worst_relative_error(a: dict, b: dict) -> tuple[float, str]:
+    """The largest ``max|a - b| / max|b|`` over ``b``'s names (those with a nonzero b), and
+    the name it is at."""
+    worst = (0.0, "")
+    for name, expected in b.items():
+        scale = 0.0 if expected is None else expected.abs().max().item()
+        if scale > 0.0:
+            error = (a[name] - expected).abs().max().item() / scale
+            worst = max(worst, (error, name))
+    return worst
+
+
 def build(model_name: str, device: str = "meta") -> torch.nn.Module:
     with torch.device(device):
         if model_name == "moe":
@@ -661,8 +688,7 @@ def check_parallel_training(
     for result in results:
         assert result["output_error"] < TOLERANCE
         assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
-        assert max_error(result["grads"], reference["grads"]) < TOLERANCE
-        assert max_error(result["params"], reference["params"]) < TOLERANCE
+        assert_trained_alike(result, reference)
 
 
 def reference_of(model_name: str) -> dict[str, Any]:
