@@ -309,14 +309,17 @@ def _kept_plan(
     return kept
 
 
-WARM_START_FACTOR = 2.0
+WARM_START_FACTOR = 1.0
 WARM_START_MIN_S = 10.0
 """A relaxation started from an earlier solve's basis runs at most ``WARM_START_FACTOR``
 times what that solve's relaxation took from no basis (and at least ``WARM_START_MIN_S``)
 before it starts again from none. Usually the warm start is the faster (LLaMA-3 8B under a
-halfway budget: 5.6 s against 8.9 s cold; 70B under 80 GB: under 1 s against 1.7 s), but not
-always: the 3-D test LLaMA's first refit took 43 s warm against 9 s cold, where the
-presolve a cold start runs shrinks the problem first."""
+halfway budget: 5.6-7.3 s against 5.9-8.9 s cold, within the 10 s floor; 70B under 80 GB:
+under 1 s against 1.7 s), but not always: the 3-D test LLaMA's first refit took 43 s warm
+against 9-11 s cold, where the presolve a cold start runs shrinks the problem first. Once
+the warm start has run as long as a cold one would take, starting again costs at most that
+much more, and a warm start this slow is usually far slower (at twice, that test spent 22 s
+on it before starting again)."""
 
 
 def _first_relaxation(
