@@ -238,8 +238,13 @@ def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCac
         placement_of: dict[fx.Node, Any] = {}
         for producer, placements in zip(ns.input_nodes, strategy.inputs):
             placement_of.setdefault(producer, placements)
+        # a fill op's tensor input has no edge (its values are never read): priced as absent
         local_leaves = [
-            _local_value(leaf.meta.get("val"), placement_of[leaf], mesh_shape)
+            (
+                _local_value(leaf.meta.get("val"), placement_of[leaf], mesh_shape)
+                if leaf in placement_of
+                else None
+            )
             if isinstance(leaf, fx.Node)
             else leaf
             for leaf in leaves

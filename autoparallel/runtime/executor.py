@@ -41,12 +41,14 @@ from torch.utils._pytree import tree_map
 from autoparallel import _torch_internals as internals
 from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
 from autoparallel.runtime.shards import contiguous_strides, wrap_shard
+from autoparallel.trace.fill_ops import fill_value, is_fill
 from autoparallel.trace.fx_args import tensor_input_nodes
 from autoparallel.trace.layer_regions import forward_layers, layer_members, recompute_region
 from autoparallel.trace.sharding_constraint import sharding_constraint_op
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import is_multi
 from autoparallel.types.plan import Plan
+from autoparallel.types.tensors import local_shape_at
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class NodeProgram:
     output_placements: Any
     run_locally: bool
     input_routes: dict[int, tuple] = field(default_factory=dict)  # slot -> placements in between
+    fill: bool = False  # made as this rank's piece directly (trace/fill_ops.py)
 
 
 class JointExecutor:
@@ -89,7 +92,12 @@ class JointExecutor:
             slots = {a.slot: a.dst for a in node_plan.arguments if a.kind == "arg"}
             routes = {a.slot: a.route for a in node_plan.arguments if a.kind == "arg" and a.route}
             self.programs[node] = NodeProgram(
-                node, slots, node_plan.strategy.output, node.name in local_sources, routes
+                node,
+                slots,
+                node_plan.strategy.output,
+                node.name in local_sources,
+                routes,
+                fill=is_fill(node) and not is_multi(node_plan.strategy.output),
             )
         # routes of the boundary edges (gradients into their parameter/input, outputs into
         # their tangent), read once here rather than on every call
@@ -233,6 +241,8 @@ class JointExecutor:
         if node.target is operator.getitem:
             producer, index = node.args
             return env[producer][index]
+        if program.fill:
+            return self._filled(node, program.output_placements)
         slot_counter = itertools.count()  # tensor inputs in flatten order = plan slots
 
         def prepare(arg: Any) -> Any:
@@ -259,6 +269,21 @@ class JointExecutor:
             args = (_contiguous(args[0]), *args[1:])
         result = node.target(*args, **kwargs)
         return self._conform(result, program.output_placements, traced)
+
+    def _filled(self, node: fx.Node, planned: Sequence) -> DTensor:
+        """A fill op's output (trace/fill_ops.py) as this rank's piece of the planned
+        placements, made here: no input is read or redistributed. Shard/Replicate only: a
+        Partial piece of ones would not sum to ones."""
+        if any(isinstance(p, Partial) for p in planned):
+            raise ValueError(f"{node.name}: a fill op's output cannot be {tuple(planned)}")
+        traced = node.meta["val"]
+        coordinate = self.mesh.get_coordinate()
+        shape = local_shape_at(traced.shape, planned, self.mesh.shape, coordinate)
+        local = torch.empty(shape, dtype=traced.dtype, device=self.device)
+        value = fill_value(node)
+        if value is not None:
+            local.fill_(value)
+        return wrap_shard(local, self.mesh, planned, traced.shape)
 
     def _conform(self, result: Any, planned: Any, traced: Any) -> Any:
         """Bring an op's result to the planned placement(s); a local result becomes this
