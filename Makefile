@@ -36,7 +36,8 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/autoparallel plan --model llama3-8b --mesh 8x8 --mesh-names dp,tp \
 		--batch 8 --seq 2048 --layers 32 --html plan.html
 
-# The suite on another torch release, in its own venv: `make compat TORCH=2.14.1`. Run by hand,
+# The suite on another torch release, in its own venv: `make compat TORCH=2.14.1` (where pip is
+# configured to cap torch lower: `PIP_CONSTRAINT=/dev/null make compat TORCH=2.15.0`). Run by hand,
 # not in CI: it installs that release's full wheel (several GB).
 TORCH ?=
 COMPAT_VENV := .venv-torch-$(TORCH)
