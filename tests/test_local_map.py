@@ -277,3 +277,31 @@ def test_compiled_code_finds_a_running_region_only_while_its_module_lives():
     del scope
     gc.collect()
     assert scope_of(key) is None
+
+
+def test_a_region_op_never_returns_a_tensor_aliasing_its_inputs():
+    """Custom ops promise outputs that alias no input (the compiler reuses buffers on that
+    promise). A body that only views its argument gets, from autograd, a gradient that is a
+    view of the incoming gradient: the backward op returns a copy instead, as the forward
+    op does for a body that returns its argument."""
+    from types import SimpleNamespace
+
+    from autoparallel.regions.local_map import region_backward_op, region_forward_op
+
+    scope = RegionScope(None)
+    key = f"view#0@{scope.trace_id}"
+    scope.regions[key] = SimpleNamespace(
+        func=lambda x: x.view(-1),
+        arguments=lambda tensors: tuple(tensors),
+        differentiable=(True,),
+        out_placements=((Replicate(),),),
+        source="test",
+    )
+    register_running_scope(scope)
+    x, grad = torch.randn(4, 8), torch.randn(32)
+    (out,) = region_forward_op(key, [x])
+    (grad_x,) = region_backward_op(key, [x], [grad])
+    assert torch.equal(out, x.view(-1)) and torch.equal(grad_x, grad.view(4, 8))
+    inputs = {t.untyped_storage().data_ptr() for t in (x, grad)}
+    assert out.untyped_storage().data_ptr() not in inputs
+    assert grad_x.untyped_storage().data_ptr() not in inputs

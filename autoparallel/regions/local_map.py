@@ -443,7 +443,15 @@ def _region_backward(
             found = torch.autograd.grad(
                 [out for out, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
             )
-    return [g if g is not None else torch.zeros_like(t) for g, t in zip(found, wanted)]
+    # autograd hands back a view of an incoming gradient where the body only views its
+    # argument; a custom op's outputs may not alias its inputs (as in the forward op)
+    given = {t.untyped_storage().data_ptr() for t in (*tensors, *grads)}
+    return [
+        torch.zeros_like(t)
+        if g is None
+        else (g.clone() if g.untyped_storage().data_ptr() in given else g)
+        for g, t in zip(found, wanted)
+    ]
 
 
 @_region_backward.register_fake
