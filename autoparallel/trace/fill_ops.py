@@ -18,25 +18,22 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-_FILL_VALUE_ARG: dict[object, int | None] = {
-    aten.new_zeros: None,
-    aten.new_ones: None,
-    aten.new_empty: None,
-    aten.new_full: 2,
-    aten.zeros_like: None,
-    aten.ones_like: None,
-    aten.empty_like: None,
-    aten.full_like: 1,
-    aten.zeros: None,
-    aten.ones: None,
-    aten.empty: None,
-    aten.full: 1,
+_FILLS: dict[object, tuple[int | None, int | None]] = {
+    aten.new_zeros: (0, None),
+    aten.new_ones: (1, None),
+    aten.new_empty: (None, None),
+    aten.new_full: (None, 2),
+    aten.zeros_like: (0, None),
+    aten.ones_like: (1, None),
+    aten.empty_like: (None, None),
+    aten.full_like: (None, 1),
+    aten.zeros: (0, None),
+    aten.ones: (1, None),
+    aten.empty: (None, None),
+    aten.full: (None, 1),
 }
-"""Each fill op's packet -> the position of its fill value in ``node.args`` (None: a fixed
-value or none, see :func:`fill_value`)."""
-
-_FIXED = {aten.new_zeros: 0, aten.zeros_like: 0, aten.zeros: 0}
-_FIXED.update({aten.new_ones: 1, aten.ones_like: 1, aten.ones: 1})
+"""Each fill op's packet -> (its fixed value, or the position of its fill value in
+``node.args``); neither for ``empty``: uninitialized."""
 
 
 def is_fill(node: fx.Node) -> bool:
@@ -44,17 +41,14 @@ def is_fill(node: fx.Node) -> bool:
     packet = getattr(node.target, "overloadpacket", None)
     return (
         node.op == "call_function"
-        and packet in _FILL_VALUE_ARG
+        and packet in _FILLS
         and isinstance(node.meta.get("val"), torch.Tensor)
     )
 
 
 def fill_value(node: fx.Node) -> float | int | bool | None:
     """The value every element of ``node``'s output holds (None: uninitialized, ``empty``)."""
-    packet = node.target.overloadpacket
-    if packet in _FIXED:
-        return _FIXED[packet]
-    position = _FILL_VALUE_ARG[packet]
+    fixed, position = _FILLS[node.target.overloadpacket]
     if position is None:
-        return None
+        return fixed
     return node.args[position] if len(node.args) > position else node.kwargs["fill_value"]
