@@ -3,8 +3,8 @@
 A facade above the solver: it owns a Problem and the most recent Plan and delegates every
 step to the stage that does it (constraint families in ``solver/constraints.py``, solving in
 ``solver/highs.py``, the plan in ``solver/plan.py``, questions in ``explain.py``, the JSON in
-``files/plan_json.py``, the diff in ``report/text.py``). ``AutoParallel.sharding_optimizer``
-returns it.
+``files/plan_json_graph.py`` and ``files/plan_json.py``, the diff in ``report/text.py``).
+``AutoParallel.sharding_optimizer`` returns it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from autoparallel.explain import (
     log_placement_explanations,
     log_plan,
 )
-from autoparallel.files.plan_json import get_json, plan_json
+from autoparallel.files.plan_json import plan_json
+from autoparallel.files.plan_json_graph import get_json
 from autoparallel.files.problem import load_problem, save_problem
 from autoparallel.report.text import PlanDiff, diff_plan_json
 from autoparallel.solver.buckets import members_in_use, share_by_use
@@ -282,7 +283,8 @@ class ShardingOptimizer:
         return diff_plan_json(plan_json(a), plan_json(b))
 
     def get_json(self) -> dict[str, Any]:
-        """The last solution as JSON-serializable data (schema in ``files/plan_json.py``)."""
+        """The last solution as JSON-serializable data (``files/plan_json_graph.get_json``;
+        schema in ``files/plan_json.py``)."""
         return get_json(self.problem, self.get_solution())
 
     def _describe(self, node: fx.Node) -> str:

@@ -17,7 +17,11 @@ from planning import Partial, Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.explain import CHOSEN, CHOSEN_CHEAPER, TARGET_CHEAPER, TIE, UNAVAILABLE
-from autoparallel.files.plan_json import collective_kind, module_of_parameter, owner_of_parameter
+from autoparallel.files.plan_json_graph import (
+    collective_kind,
+    module_of_parameter,
+    owner_of_parameter,
+)
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.types.placements import placement_str
 
