@@ -1,4 +1,5 @@
-"""The ``autoparallel`` command: ``plan`` (plan.py), ``explain`` and ``diff`` (saved.py)."""
+"""The ``autoparallel`` command: ``plan`` (plan.py; the parser and its checks in
+plan_arguments.py), ``explain`` and ``diff`` (saved.py), ``calibrate`` (calibrate.py)."""
 
 from autoparallel.cli.plan import main
 
