@@ -105,7 +105,7 @@ def test_the_op_model_fits_recover_a_known_host():
     small ops) give back that fixed cost from the tiny block and that bandwidth from the
     training-sized one, from a roofline that starts at the streaming probe's 20 GB/s."""
     from autoparallel.calibrate.fit import block_charge_us, fit_graph_bandwidth, fit_op_overhead
-    from autoparallel.calibrate.measure import TINY_BLOCK, TRAINING_BLOCK, traced_block
+    from autoparallel.calibrate.measure_device import TINY_BLOCK, TRAINING_BLOCK, traced_block
 
     host = dataclasses.replace(SYNCHRONOUS, kernel_launch_us=12.0, memory_bandwidth=3e9)
     probe = dataclasses.replace(host, kernel_launch_us=0.0, memory_bandwidth=20e9)

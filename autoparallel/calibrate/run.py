@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoparallel.calibrate import measure
+from autoparallel.calibrate import measure, measure_device
 from autoparallel.calibrate.fit import (
     CollectiveSample,
     fit_collective,
@@ -285,7 +285,7 @@ def _time_device(
         # fp32's largest size is timed by _Rounds, whose median gives the FLOP/s
         sizes = settings.matmul_sizes[:-1] if dtype == torch.float32 else settings.matmul_sizes
         for size in sizes:
-            flops = measure.matmul_flops(dtype, size, settings.repeats, device)
+            flops = measure_device.matmul_flops(dtype, size, settings.repeats, device)
             samples.append(
                 {
                     "what": "matmul",
@@ -299,7 +299,9 @@ def _time_device(
             )
     figures["flops_bf16"] = flops  # the largest size: closest to what big matmuls reach
     figures["matmul_table"] = _time_matmul_table(device, settings, say, samples)
-    bandwidth = measure.memory_bandwidth(settings.memory_probe_bytes, settings.repeats, device)
+    bandwidth = measure_device.memory_bandwidth(
+        settings.memory_probe_bytes, settings.repeats, device
+    )
     samples.append(
         {"what": "memory_bandwidth", "nbytes": settings.memory_probe_bytes, "bandwidth": bandwidth}
     )
@@ -307,7 +309,7 @@ def _time_device(
         f"[calibrate] memory bandwidth ({_bytes(settings.memory_probe_bytes)} add): {bandwidth / 1e9:.2f} GB/s"
     )
     figures["memory_bandwidth"] = bandwidth
-    figures["view_op_us"] = measure.view_op_us(settings.repeats, device)
+    figures["view_op_us"] = measure_device.view_op_us(settings.repeats, device)
     samples.append({"what": "view_op", "time_us": figures["view_op_us"]})
     say(f"[calibrate] view op: {figures['view_op_us']:.2f} us")
     figures.update(_time_optimizer(mesh, settings, say, samples))
@@ -325,8 +327,8 @@ class _Rounds:
 
     matmul_shape: tuple[int, int, int]
     skinny_shape: tuple[int, int, int]
-    tiny: measure.TracedBlock
-    training: measure.TracedBlock
+    tiny: measure_device.TracedBlock
+    training: measure_device.TracedBlock
     matmul_us: list[float]
     skinny_us: list[float]
     tiny_us: list[float]
@@ -338,8 +340,8 @@ class _Rounds:
         return cls(
             (size, size, size),
             (small, size, size),
-            measure.traced_block(measure.TINY_BLOCK, device),
-            measure.traced_block(measure.TRAINING_BLOCK, device),
+            measure_device.traced_block(measure_device.TINY_BLOCK, device),
+            measure_device.traced_block(measure_device.TRAINING_BLOCK, device),
             [],
             [],
             [],
@@ -347,10 +349,14 @@ class _Rounds:
         )
 
     def time_round(self, repeats: int, device: torch.device) -> None:
-        self.matmul_us.append(measure.matmul_us(torch.float32, self.matmul_shape, repeats, device))
-        self.skinny_us.append(measure.matmul_us(torch.float32, self.skinny_shape, repeats, device))
-        self.tiny_us.append(measure.time_block(self.tiny, repeats, device))
-        self.training_us.append(measure.time_block(self.training, repeats, device))
+        self.matmul_us.append(
+            measure_device.matmul_us(torch.float32, self.matmul_shape, repeats, device)
+        )
+        self.skinny_us.append(
+            measure_device.matmul_us(torch.float32, self.skinny_shape, repeats, device)
+        )
+        self.tiny_us.append(measure_device.time_block(self.tiny, repeats, device))
+        self.training_us.append(measure_device.time_block(self.training, repeats, device))
 
     def fit(
         self,
@@ -425,7 +431,9 @@ def _time_optimizer(
         points.append((few, settings.optimizer_large_numel))
     runs = {}
     for tensors, numel in points:
-        runs[tensors, numel] = measure.optimizer_step_us(mesh, tensors, numel, settings.repeats)
+        runs[tensors, numel] = measure_device.optimizer_step_us(
+            mesh, tensors, numel, settings.repeats
+        )
         samples.append(
             {
                 "what": "optimizer_step",
@@ -438,15 +446,15 @@ def _time_optimizer(
             f"[calibrate] AdamW step, {tensors} tensors of {numel} elements: {runs[tensors, numel]:.0f} us"
         )
     fit = fit_optimizer_step(runs)
-    warm = measure.optimizer_step_us(
-        mesh, few, small, settings.repeats, churn_bytes=measure.OPTIMIZER_WARM_CHURN_BYTES
+    warm = measure_device.optimizer_step_us(
+        mesh, few, small, settings.repeats, churn_bytes=measure_device.OPTIMIZER_WARM_CHURN_BYTES
     )
     samples.append(
         {
             "what": "optimizer_step",
             "tensors": few,
             "numel": small,
-            "churn_bytes": measure.OPTIMIZER_WARM_CHURN_BYTES,
+            "churn_bytes": measure_device.OPTIMIZER_WARM_CHURN_BYTES,
             "time_us": warm,
         }
     )
@@ -454,7 +462,7 @@ def _time_optimizer(
     warm_step_us = min(fit.step_us, max(0.0, fit.step_us - (runs[few, small] - warm)))
     say(
         f"[calibrate] AdamW step, {few} tensors of {small} elements after "
-        f"{measure.OPTIMIZER_WARM_CHURN_BYTES >> 20} MiB of other work: {warm:.0f} us, "
+        f"{measure_device.OPTIMIZER_WARM_CHURN_BYTES >> 20} MiB of other work: {warm:.0f} us, "
         f"a fixed part of {warm_step_us:.0f} us"
     )
     large = (
@@ -474,8 +482,8 @@ def _time_optimizer(
         "optimizer_large_numel": float(fit.large_numel),
         "optimizer_ns_per_element_large": fit.ns_per_element_large,
         "optimizer_step_warm_us": warm_step_us,
-        "optimizer_warm_bytes": float(measure.OPTIMIZER_WARM_CHURN_BYTES),
-        "optimizer_cold_bytes": float(measure.OPTIMIZER_CHURN_BYTES),
+        "optimizer_warm_bytes": float(measure_device.OPTIMIZER_WARM_CHURN_BYTES),
+        "optimizer_cold_bytes": float(measure_device.OPTIMIZER_CHURN_BYTES),
     }
 
 
@@ -487,12 +495,12 @@ def _time_runtime(
     samples: list,
 ) -> Hardware:
     """The parallel module's own work per step outside its traced graphs, from the probe at
-    a few parameter counts (``measure.runtime_step``), as a line: a fixed part per step and a
+    a few parameter counts (``measure_device.runtime_step``), as a line: a fixed part per step and a
     part per trained parameter. Measured on a synchronous host (CPU) only: on a GPU the host
     runs ahead of the kernels and this work hides behind them."""
     outside, forward_outside = {}, {}
     for parameters in settings.runtime_parameters:
-        sample = measure.runtime_step(mesh, parameters, hardware, settings.repeats)
+        sample = measure_device.runtime_step(mesh, parameters, hardware, settings.repeats)
         outside[parameters] = sample.outside_graphs_us
         forward_outside[parameters] = sample.forward_outside_graphs_us
         samples.append(
@@ -536,13 +544,15 @@ def _time_matmul_table(
         return None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     start = time.perf_counter()
-    warm, cold = measure.matmul_grid_us(dtype, tuple(grid), settings.matmul_grid_calls, device)
+    warm, cold = measure_device.matmul_grid_us(
+        dtype, tuple(grid), settings.matmul_grid_calls, device
+    )
     table = MatmulTable(
         dtype=str(dtype).removeprefix("torch."),
         dims=tuple(grid),
         warm_us=tuple(warm),
         cold_us=tuple(cold),
-        cold_bytes=measure.cache_bytes(device),
+        cold_bytes=measure_device.cache_bytes(device),
     )
     samples.append({"what": "matmul_table", **dataclasses.asdict(table)})
     small, large = grid[0], grid[-1]
