@@ -26,7 +26,11 @@ of them, and takes each one's median step of the slowest rank
   error can be traced to the phase it comes from; the table prints them as
   ``predicted/measured`` under each variant;
 * ``free/best``: the free plan's measured time over the fastest pinned recipe's (<= 1.05
-  means the planner's choice is as good as the best hand recipe on our runtime);
+  means the planner's choice is as good as the best hand recipe on our runtime), with
+  ``best_pinned`` the recipe it is measured against and ``free_same_plan_as`` the pinned
+  recipes whose plan is node for node the free one (same ``plan_key``): where the best
+  pinned recipe is among them, the planner chose that very program and the ratio is the
+  run's noise, as ``twin_spread`` is;
 * ``skew`` (``rank_ms`` in the JSON: each rank's own median step): how far the measured
   step (the slowest rank's, step by step) lies above the largest of the ranks' own medians;
   the ranks' misalignment at their collectives (see ``autoparallel.measure_step``), which
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import statistics
@@ -118,6 +123,7 @@ def _build_variant(
         model, plan = planned.module, planned.plan
         info["planning_s"] = round(planned.planning_s, 2)
         info["placements"] = sorted({str(p) for p in plan.param_placements.values()})
+        info["plan_key"] = plan_key(plan)
         info["totals_ms"] = {
             "compute": round(plan.totals.compute_us / 1e3, 3),
             "optimizer": round(plan.totals.optimizer_us / 1e3, 3),
@@ -133,6 +139,14 @@ def _build_variant(
     scale = 1.0 / world_size if plan is not None else 1.0
     step = training_step(model, make_optimizer(model), inputs, targets, scale, losses, phase_ms)
     return _Variant(step, plan, losses, info, phase_ms)
+
+
+def plan_key(plan: Any) -> str:
+    """A short digest of every node's chosen strategy and recomputed layer: two variants
+    with one key run the same program, so their measured gap is the run's noise alone."""
+    chosen = sorted((name, repr(node.strategy)) for name, node in plan.nodes.items())
+    text = repr((chosen, sorted(plan.recompute)))
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) -> dict:
@@ -237,6 +251,13 @@ def summarize(results: dict) -> dict:
     free = results.get("free", {})
     if pinned and free.get("status") == "ok":
         summary["free_over_best_pinned"] = round(free["measured_ms"] / min(pinned), 3)
+        best = min((r["measured_ms"], v) for v, r in ours if v != "free")[1]
+        twins = [
+            v for v, r in ours if v not in ("free", TWIN) and r["plan_key"] == free["plan_key"]
+        ]
+        if twins:
+            summary["free_same_plan_as"] = twins
+        summary["best_pinned"] = best
     errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for _, r in ours]
     if errors:
         summary["max_abs_error"] = round(max(errors), 3)
