@@ -596,3 +596,10 @@ def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor)
     if isinstance(rows, FakeTensor) and rows.dtype != torch.bfloat16:
         return rows @ weights[0]
     return torch._grouped_mm(rows, weights, offs=offsets)
+
+
+def op_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """The dispatcher entry ``op(...)`` calls. ``OpOverload.__call__`` is one Python frame
+    around it; a local graph that runs every step on a CPU host pays that frame per op
+    (runtime/bound_graph.py). Private: ``_op`` is the only handle on it."""
+    return op._op

@@ -111,6 +111,34 @@ def test_parameters_are_gathered_a_layer_at_a_time(ranks):
         assert result["released"]
 
 
+def test_a_bound_local_graph_computes_what_its_graph_module_does():
+    """The eager runtime runs each local graph with its ops bound once (runtime/bound_graph.py):
+    same results as the GraphModule, for multi-output ops, a constant the graph reads from
+    its module and an op that writes in place, and no op left to look up through
+    ``torch.ops`` at each call."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoparallel.runtime.bound_graph import bound_program
+
+    scale = torch.tensor([0.5, 2.0, 3.0, 4.0])
+
+    def phase(a, b):
+        top, index = torch.topk(a, 2, dim=-1)
+        summed = (a * scale).sum(dim=0)
+        b = b.clone()
+        b.add_(summed)
+        return [top, index, b, torch.var_mean(a, dim=1)[0]]
+
+    inputs = (torch.randn(3, 4), torch.randn(4))
+    graph_module = make_fx(phase)(*inputs)
+    program = bound_program(graph_module)
+    assert "ops" not in program.forward.__code__.co_names  # no op looked up per call
+    fresh = (torch.randn(3, 4), torch.randn(4))
+    for got, expected in zip(program(*fresh), graph_module(*fresh)):
+        assert torch.equal(got, expected)
+
+
 def test_identity_views_leave_the_local_graph():
     """The views DTensor wrapping leaves (an input viewed as its own shape) are dropped from
     a traced phase; a view that changes the shape, and one returned as an output, stay."""

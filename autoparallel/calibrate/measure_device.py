@@ -33,6 +33,7 @@ from autoparallel.calibrate.measure import (
     slowest_rank,
 )
 from autoparallel.cost.hardware import Hardware
+from autoparallel.runtime.bound_graph import bound_program
 from autoparallel.runtime.timing import GraphClock, graph_clock
 
 CACHE_FLUSH_BYTES = 64 << 20
@@ -134,8 +135,8 @@ def memory_bandwidth(nbytes: int, repeats: int, device: torch.device) -> float:
 def _traced_chain_us(
     step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ops: int, repeats: int
 ) -> float:
-    """Per-op time of ``ops`` applications of ``step``, traced with ``make_fx`` as
-    ``runtime/local_graph.py`` traces the runtime's graphs (slowest rank)."""
+    """Per-op time of ``ops`` applications of ``step``, traced with ``make_fx`` and run as
+    ``runtime/local_graph.py`` traces and runs the runtime's graphs (slowest rank)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def chain(value: torch.Tensor) -> torch.Tensor:
@@ -143,7 +144,7 @@ def _traced_chain_us(
             value = step(value)
         return value
 
-    graph = make_fx(chain)(x)
+    graph = bound_program(make_fx(chain)(x))
     dist.barrier()
     return slowest_rank(median_us(lambda: graph(x), repeats, x.device), x.device) / ops
 
@@ -211,10 +212,12 @@ def traced_block(shape: tuple[int, int, int], device: torch.device) -> TracedBlo
 
 
 def time_block(block: TracedBlock, repeats: int, device: torch.device) -> float:
-    """Median time of one run of ``block``'s graph (slowest rank)."""
+    """Median time of one run of ``block``'s graph, run as the runtime runs its graphs
+    (slowest rank)."""
+    program = bound_program(block.graph)
     dist.barrier()
     with torch.no_grad():
-        median = median_us(lambda: block.graph(*block.inputs), repeats, device)
+        median = median_us(lambda: program(*block.inputs), repeats, device)
     return slowest_rank(median, device)
 
 

@@ -4,7 +4,8 @@ Interpreting the joint graph op by op through DTensor costs Python dispatch on e
 every step. The first call of each phase (forward, backward, inference) is therefore traced
 with ``make_fx`` on this rank's real tensors: DTensor's dispatch and redistributions unfold
 into plain ATen ops on local shapes and torch's functional collectives
-(``_c10d_functional.all_gather_into_tensor`` and friends). Later calls run that graph.
+(``_c10d_functional.all_gather_into_tensor`` and friends). Later calls run that graph
+(eagerly, as its source with the ops bound once: runtime/bound_graph.py).
 
 Wrapping local tensors as DTensors (the phase's inputs, the saved values) leaves one view of
 each input to its own shape in the trace; :func:`drop_identity_views` removes them, since on
@@ -37,6 +38,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from autoparallel import _torch_internals as internals
 from autoparallel.regions.context import RegionScope, region_scope
+from autoparallel.runtime.bound_graph import bound_program
 from autoparallel.runtime.shards import wrap_shard
 
 
@@ -107,6 +109,7 @@ class TracedPhase:
         self.regions = regions
         self.graph_module: fx.GraphModule | None = None  # functional ops only
         self.eager_module: fx.GraphModule | None = None  # the same, reduced in place
+        self.eager_program: Callable[..., Any] | None = None  # eager_module, ops bound once
         # seconds the eager graph ran while ``timed`` (runtime/timing.py's graph_clock): what
         # the module's step spent inside its graphs, the rest being its own work
         self.timed = False
@@ -122,9 +125,9 @@ class TracedPhase:
                 self._trace(*tensors)
             if _all_plain(tensors):
                 if not self.timed:
-                    return list(self.eager_module(*tensors))
+                    return list(self.eager_program(*tensors))
                 start = time.perf_counter()
-                results = list(self.eager_module(*tensors))
+                results = list(self.eager_program(*tensors))
                 self.graph_s += time.perf_counter() - start
                 return results
             # a tracer's tensors (torch.compile functionalizing a frame it captured): the
@@ -142,6 +145,7 @@ class TracedPhase:
         self.graph_module = graph_module
         self.eager_module = _copy(graph_module)
         reduce_in_place(self.eager_module)
+        self.eager_program = bound_program(self.eager_module)
 
 
 def _all_plain(tensors: tuple) -> bool:
