@@ -97,6 +97,9 @@ class _Variant:
 TWIN = "free-twin"
 """The free plan, planned and built again: its distance from ``free`` is the noise floor."""
 
+ROUND_WARMUP = 1
+"""Untimed steps of each variant at the start of every round after the first."""
+
 RECOMPUTE_EVERY_LAYER = {"memory_budget": 1e15, "activation_checkpointing": "all"}
 """The ``recompute`` variant: the free plan with every layer recomputed in the backward (a
 budget that never binds), to set the price of recomputation beside its measured cost."""
@@ -151,7 +154,8 @@ def plan_key(plan: Any) -> str:
 
 def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) -> dict:
     """One rank: build every variant, then time them round-robin (``rounds`` rounds of
-    ``steps`` steps each, the first round after ``warmup`` untimed steps), so a slow spell
+    ``steps`` steps each, after ``warmup`` untimed steps in the first round and
+    ``ROUND_WARMUP`` in the others), so a slow spell
     of the machine falls on every variant alike. The same order on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -171,14 +175,17 @@ def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) ->
     times: dict[str, list[float]] = {variant: [] for variant in built}
     rank_medians: dict[str, list[tuple[float, ...]]] = {variant: [] for variant in built}
     for round_index in range(args["rounds"]):
-        warmup = args["warmup"] if round_index == 0 else 0
+        # every round after the first starts each variant with one untimed step too: the
+        # variant before it (torch's FSDP2, the largest, before the first) has just
+        # churned the caches and the allocator, which the first timed step would pay
+        warmup = args["warmup"] if round_index == 0 else ROUND_WARMUP
         for variant, run in built.items():
             timing = measure_step(run.step, run.plan, steps=args["steps"], warmup=warmup)
             times[variant] += timing.step_ms
             rank_medians[variant].append(timing.rank_median_ms)
-            if warmup:  # the phases of the timed steps only
+            if warmup:  # the phases of the timed steps only: this round's first steps out
                 for phase_times in run.phase_ms.values():
-                    del phase_times[:warmup]
+                    del phase_times[-(warmup + args["steps"]) : -args["steps"]]
     for variant, run in built.items():
         predicted = run.plan.totals.total_us / 1e3 if run.plan is not None else None
         results[variant] = {
