@@ -254,11 +254,11 @@ def summarize(results: dict) -> dict:
             [r["predicted_ms"] for _, r in ours], [r["measured_ms"] for _, r in ours]
         )
     }
-    pinned = [r["measured_ms"] for v, r in ours if v != "free"]
+    pinned = {v: r["measured_ms"] for v, r in ours if v != "free"}
     free = results.get("free", {})
     if pinned and free.get("status") == "ok":
-        summary["free_over_best_pinned"] = round(free["measured_ms"] / min(pinned), 3)
-        best = min((r["measured_ms"], v) for v, r in ours if v != "free")[1]
+        best = min(pinned, key=pinned.__getitem__)
+        summary["free_over_best_pinned"] = round(free["measured_ms"] / pinned[best], 3)
         twins = [
             v for v, r in ours if v not in ("free", TWIN) and r["plan_key"] == free["plan_key"]
         ]
