@@ -108,7 +108,7 @@ def _fix_relaxation(
     if dived is not None and dived.gap(bound) <= options.fix_gap:
         return Found(dived, bound, "lp+dive")
     left = max(MIN_STEP_S, deadline - time.perf_counter())
-    fixed = relax_and_fix(highs, problem, options, left, relaxed, bound)
+    fixed = relax_and_fix(highs, problem, options, left, relaxed, bound, counts)
     if fixed is None or (dived is not None and dived.objective < fixed.objective):
         return None if dived is None else Found(dived, bound, "lp+dive")
     return Found(fixed, bound, "lp+fix")
@@ -256,12 +256,14 @@ def relax_and_fix(
     time_limit_s: float,
     relaxed: np.ndarray | None = None,
     bound: float | None = None,
+    held: np.ndarray | None = None,
 ) -> Candidate | None:
     """Fix the strategy columns the relaxation (``relaxed``, of objective ``bound``; by
     default the one ``highs`` holds) set above a threshold (FIX_THRESHOLDS, then 1) and
     solve the MIP over the rest. Returns the first plan within ``options.fix_gap`` of the
     relaxation's objective, else the best plan found (None if none); the column bounds are
-    restored either way."""
+    restored either way. ``held``: integer columns integral in ``relaxed`` (the recompute
+    counts), which a fix that leaves no node class open holds too (:func:`_fixed_whole`)."""
     if relaxed is None or bound is None:
         bound = float(highs.getInfo().objective_function_value)
         relaxed = np.asarray(highs.getSolution().col_value)
@@ -271,7 +273,7 @@ def relax_and_fix(
     # prove more than half of it
     highs.setOptionValue("mip_rel_gap", max(float(options.relative_gap), options.fix_gap / 2))
     try:
-        return _fix_in_turn(highs, problem, options, values, bound, deadline)
+        return _fix_in_turn(highs, problem, options, values, bound, deadline, relaxed, held)
     finally:
         highs.setOptionValue("mip_rel_gap", float(options.relative_gap))
 
@@ -283,9 +285,12 @@ def _fix_in_turn(
     values: np.ndarray,
     bound: float,
     deadline: float,
+    relaxed: np.ndarray,
+    held: np.ndarray | None,
 ) -> Candidate | None:
     best: Candidate | None = None
     tried: set[bytes] = set()  # a higher threshold often fixes the same columns
+    flat, starts = _node_class_columns(problem)
     for threshold in (*FIX_THRESHOLDS, 1.0 - options.integrality_tolerance):
         fixed = np.flatnonzero(problem.integrality & (values > threshold)).astype(np.int32)
         if not len(fixed) or fixed.tobytes() in tried or time.perf_counter() >= deadline:
@@ -293,15 +298,22 @@ def _fix_in_turn(
         tried.add(fixed.tobytes())
         count = len(fixed)
         highs.changeColsBounds(count, fixed, np.ones(count), np.ones(count))
-        allow(highs, deadline - time.perf_counter(), mip=True)
-        highs.run()
-        status = highs.modelStatusToString(highs.getModelStatus())
-        found = highs.getInfo().primal_solution_status == FEASIBLE
-        plan = None
-        if found:
-            objective = float(highs.getInfo().objective_function_value)
-            plan = Candidate(objective, np.asarray(highs.getSolution().col_value))
-            best = plan if best is None or plan.objective < best.objective else best
+        whole = None
+        if np.all(np.logical_or.reduceat(values[flat] > threshold, starts)) if len(flat) else False:
+            whole = _fixed_whole(highs, problem, options, deadline, relaxed, held)
+        if whole is not None:
+            status, plan = whole
+        else:
+            allow(highs, deadline - time.perf_counter(), mip=True)
+            highs.run()
+            status = highs.modelStatusToString(highs.getModelStatus())
+            found = highs.getInfo().primal_solution_status == FEASIBLE
+            plan = None
+            if found:
+                objective = float(highs.getInfo().objective_function_value)
+                plan = Candidate(objective, np.asarray(highs.getSolution().col_value))
+        if plan is not None and (best is None or plan.objective < best.objective):
+            best = plan
         highs.changeColsBounds(count, fixed, np.zeros(count), np.ones(count))
         logger.debug(
             "relax and fix at %.2f: %d columns fixed, %s, %s",
@@ -318,6 +330,42 @@ def _fix_in_turn(
             )
             return plan
     return best
+
+
+def _fixed_whole(
+    highs: highspy.Highs,
+    problem: Problem,
+    options: SolverOptions,
+    deadline: float,
+    relaxed: np.ndarray,
+    held: np.ndarray | None,
+) -> tuple[str, Candidate | None] | None:
+    """With a strategy fixed for every node class (and ``held`` at their values in
+    ``relaxed``), what is left is the columns the strategies determine: the relaxation from
+    the basis ``highs`` holds is the plan, in a few dual simplex pivots, where the MIP over
+    the same columns spends ~1 s in its presolve (LLaMA-3 8B on (8, 8), 197 k columns).
+    Returns (status, the plan or None); None where the relaxation's vertex is not integral
+    (the caller runs the MIP). The bounds of ``held`` are restored."""
+    held = np.zeros(0, np.int32) if held is None else np.asarray(held, np.int32)
+    original, basis = highs.getLp(), highs.getBasis()
+    at = np.round(relaxed[held])
+    highs.changeColsBounds(len(held), held, at, at)
+    highs.clearSolver()  # from no basis, HiGHS's presolve removes the fixed columns first
+    try:
+        allow(highs, deadline - time.perf_counter())
+        status = relaxation(highs, options)
+        if status.lower() != "optimal":
+            return (status, None) if "infeasible" in status.lower() else None
+        values = np.asarray(highs.getSolution().col_value)
+        integer = values[: problem.num_variables][problem.integrality]
+        if np.any(np.abs(integer - np.round(integer)) > options.integrality_tolerance):
+            return None
+        return status, Candidate(float(highs.getInfo().objective_function_value), values)
+    finally:
+        lower = np.asarray(original.col_lower_)[held]
+        upper = np.asarray(original.col_upper_)[held]
+        highs.changeColsBounds(len(held), held, lower, upper)
+        highs.setBasis(basis)
 
 
 def _branch_on_counts(

@@ -18,6 +18,12 @@ every backward-start memory row loses the first. One more row per class C* and g
 moment covers the backward of a recomputed layer: every recomputable layer's inner
 activations gone, C*'s back (it is implied by the others unless k_C* > 0).
 
+Strategies of a node with equal bytes and forward time share one copy (their x summed on
+the right of the bound row: the same relaxation, fewer columns), and a node whose every
+strategy costs the same needs none (k times that figure, on k itself). On LLaMA-3 8B on
+(8, 8) under a halfway budget that took the copies from 9,160 to 846 and the relaxation
+from 5.9 to 3.8 s, the same plan.
+
 Which layers of a class are recomputed does not change these figures (they are alike); the
 runtime takes the first k in forward order.
 """
@@ -119,12 +125,20 @@ def recompute_columns(
         forward = {part.node: part.per_strategy for part in cls.forward_us}
         for node in dict.fromkeys([*inner, *forward]):  # ordered, each node once
             x_columns = problem.node_columns[node]
-            z_columns = base + len(names) + np.arange(len(x_columns), dtype=np.int64)
-            names.extend(
-                f"{COUNT_PREFIX}{cls.label}: {node.name}[{s}]" for s in range(len(x_columns))
-            )
-            upper.extend([size] * len(x_columns))
-            objective.extend(forward.get(node, np.zeros(len(x_columns))).tolist())
+            node_bytes = inner.get(node, np.zeros(len(x_columns)))
+            node_us = forward.get(node, np.zeros(len(x_columns)))
+            groups = _alike_strategies(node_bytes, node_us)
+            if len(groups) == 1:
+                # every strategy costs the same: k layers cost k times that, no copy needed
+                objective[index] += float(node_us[0])
+                if node_bytes[0]:
+                    saving_columns.append(np.array([count_column]))
+                    saving_values.append(np.array([-node_bytes[0] / MIB]))
+                continue
+            z_columns = base + len(names) + np.arange(len(groups), dtype=np.int64)
+            names.extend(f"{COUNT_PREFIX}{cls.label}: {node.name}{list(group)}" for group in groups)
+            upper.extend([size] * len(groups))
+            objective.extend(float(node_us[group[0]]) for group in groups)
             rows.append(
                 Row(
                     np.append(z_columns, count_column),
@@ -133,11 +147,18 @@ def recompute_columns(
                     0.0,
                 )
             )
-            for z, x in zip(z_columns, x_columns):
-                rows.append(Row(np.array([z, x]), np.array([1.0, -size]), -np.inf, 0.0))
+            for z, group in zip(z_columns, groups):
+                rows.append(
+                    Row(
+                        np.append(z, x_columns[list(group)]),
+                        np.append(1.0, np.full(len(group), -size)),
+                        -np.inf,
+                        0.0,
+                    )
+                )
             if node in inner:
                 saving_columns.append(z_columns)
-                saving_values.append(-inner[node] / MIB)
+                saving_values.append(-np.array([node_bytes[group[0]] for group in groups]) / MIB)
     count = len(names)
     integral = np.zeros(count, dtype=bool)
     integral[: len(classes)] = True
@@ -157,6 +178,19 @@ def recompute_columns(
         else (np.zeros(0, np.int64), np.zeros(0))
     )
     return columns, rows, saving
+
+
+def _alike_strategies(node_bytes: np.ndarray, node_us: np.ndarray) -> list[tuple[int, ...]]:
+    """A node's strategies grouped by equal (inner bytes, forward us), in first-seen order.
+
+    One copy column per group is as tight as one per strategy: the copies of a group sum to
+    one column bounded by N times the group's x, and any split of that column in proportion
+    to its strategies' x meets the per-strategy rows. On LLaMA-3 8B on (8, 8) the ~20
+    strategies of a node fall into a few local sizes."""
+    groups: dict[tuple[float, float], list[int]] = {}
+    for strategy, key in enumerate(zip(node_bytes.tolist(), node_us.tolist())):
+        groups.setdefault(key, []).append(strategy)
+    return [tuple(group) for group in groups.values()]
 
 
 def recompute_moment_parts(classes: Sequence[RecomputeClass]) -> list[list[NodeBytes]]:
