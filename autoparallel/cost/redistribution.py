@@ -285,6 +285,7 @@ class PairPricer:
         self._prices: dict[tuple, tuple[float, float]] = {}
         self._routes: RouteTable | None | bool = False  # False: not built yet
         self._states: dict[object, int | None] = {}
+        self._placements: dict[int, tuple[Placement, ...]] = {}  # placements_of_state's
         # per mesh dim and collective: (size, latency us, bytes per s) exactly as
         # collectives._ring_us reads them
         self._links = [
@@ -338,7 +339,11 @@ class PairPricer:
         return state
 
     def placements_of_state(self, state: int) -> tuple[Placement, ...]:
-        return tuple(_placement_of_code(code) for code in self.routes.states[state])  # type: ignore[union-attr]
+        found = self._placements.get(state)
+        if found is None:
+            codes = self.routes.states[state]  # type: ignore[union-attr]
+            found = self._placements[state] = tuple(_placement_of_code(code) for code in codes)
+        return found
 
     def route(self, src: tuple, dst: tuple) -> list[tuple[Placement, ...]]:
         """Placements visited from ``src`` to ``dst`` (both included, as given): each step
