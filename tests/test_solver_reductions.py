@@ -111,6 +111,44 @@ def _budgeted(mesh):
     return optimizer.problem, budget
 
 
+def test_recomputation_under_a_budget_is_planned_near_the_exact_optimum(fake_mesh, monkeypatch):
+    """With recomputation a choice of the solver, the relaxation spreads the recompute counts
+    over fractions of a layer; branching on them and fixing gives a plan within fix_gap of
+    the exact MIP's, whose counts are whole and whose peak meets the budget. Where relax
+    and fix fixes a strategy for every node class, what is left is solved as an LP."""
+    from planning import budget_only_recomputing_meets
+
+    optimizer = _autop(fake_mesh((2,))).sharding_optimizer
+    optimizer.remove_constraints(["parameter_memory"])
+    budget = budget_only_recomputing_meets(optimizer)
+    optimizer.add_memory_constraint(budget, activation_checkpointing="auto")
+    problem = optimizer.problem
+    whole = []
+    fixed_whole = fixing._fixed_whole
+
+    def spy(*args, **kwargs):
+        found = fixed_whole(*args, **kwargs)
+        whole.append(found)
+        return found
+
+    monkeypatch.setattr(fixing, "_fixed_whole", spy)
+    options = SolverOptions(lp_first_min_variables=0)
+    found = solve(problem, options)
+    exact = solve(problem, SolverOptions(lp_first=False))
+    assert found.stats.method == "lp+fix"
+    assert any(w is not None and w[1] is not None for w in whole)  # the LP gave the plan
+    assert found.stats.bound <= exact.stats.objective + 1e-6 <= found.stats.objective + 2e-6
+    assert found.stats.objective <= exact.stats.objective * (1 + options.fix_gap)
+    counts = {k: v for k, v in found.auxiliary.items() if ":" not in k}
+    assert counts and all(v == round(v) for v in counts.values()) and sum(counts.values()) >= 1
+    memory = estimate_memory(
+        problem,
+        found.choice,
+        recompute_counts={k.removeprefix("recompute "): int(v) for k, v in counts.items()},
+    )
+    assert memory.recomputed and memory.peak <= budget * (1 + 1e-9)
+
+
 @pytest.mark.parametrize(
     "options, method",
     [
