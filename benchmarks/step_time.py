@@ -1,14 +1,19 @@
 """Training-step time of autoparallel's parallel module vs torch's FSDP2 and DDP, on gloo CPU.
 
-    python benchmarks/step_time.py --model mlp|llama-tiny|llama-small --nproc 2 --steps 10 --warmup 3 [--compile]
+    python benchmarks/step_time.py --model mlp|llama-tiny|llama-small --nproc 2 --steps 10 --warmup 3
+        [--rounds 3 | --separate] [--compile]
 
 Every variant trains the same workload (``benchmarks/workloads.py``: same init, seed 0), on
 the same 1-D mesh of ``--nproc`` CPU ranks, with the same global batch split by rows (each
 rank feeds its LOCAL slice), with AdamW (``foreach=True``, see ``make_optimizer``). A step is zero_grad + forward + loss + backward + optimizer step; its time is the
 slowest rank's, and the figure reported is the median over ``--steps`` steps after
-``--warmup`` untimed ones. Each variant runs in its own set of processes
-(``autoparallel._testing.harness.run_distributed``), so one failing or hanging variant does not take
-the others down.
+``--warmup`` untimed ones. A comparison's variants (ours, theirs, ours compiled) are built in
+one set of processes and timed round-robin, ``--rounds`` rounds of ``--steps / --rounds``
+steps each (every round starts each variant with one untimed step), so a slow spell of this
+shared machine, and the build of a set of ranks, fall on both sides of a ratio alike: in
+separate sets of ranks (``--separate``, where one failing or hanging variant does not take
+the others down) the tiny LLaMA's free plan measured 0.99, 1.17 and 1.24 of DDP in three
+runs of the same code (2026-12-05).
 
 Comparisons, one JSON line each on stdout (children's output goes to stderr):
 
@@ -42,6 +47,8 @@ import os
 import statistics
 import sys
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,19 +95,25 @@ def _build_ours(
     }
 
 
-def time_variant(
-    rank: int,
-    world_size: int,
-    variant: str,
-    model_name: str,
-    steps: int,
-    warmup: int,
-    hardware: str | None,
-) -> dict:
-    """One rank of one variant: build, train ``warmup + steps`` steps, return timings."""
+@dataclass
+class _Prepared:
+    """One variant built on this rank: its step, and what the step records."""
+
+    variant: str
+    model: nn.Module
+    step: Callable[[], None]
+    losses: list[float]
+    phase_ms: dict[str, list[float]]
+    extra: dict
+    compiles: _CompileCounter | None
+
+
+def _prepare(
+    rank: int, world_size: int, variant: str, model_name: str, hardware: str | None
+) -> _Prepared:
+    """Build ``variant`` on this rank: the model, its AdamW and one training step."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.dup2(2, 1)  # keep the parent's stdout for JSON lines (HiGHS prints a banner)
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world_size,))
     extra: dict = {}
@@ -115,39 +128,113 @@ def time_variant(
     optimizer = make_optimizer(model)
     # Compiled variants: the first call compiles the forward, the first backward() the
     # backward, both inside the (untimed) warm-up steps.
+    compiled = variant.endswith(COMPILED)
     run = (
-        torch.compile(model, backend=autoparallel_backend(), fullgraph=True)
-        if variant.endswith(COMPILED)
-        else model
+        torch.compile(model, backend=autoparallel_backend(), fullgraph=True) if compiled else model
     )
-    compiles = _CompileCounter()
     inputs, targets = workload.global_batch()
     inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
     losses: list[float] = []
     phase_ms: dict[str, list[float]] = {}
     scale = 1.0 / world_size if variant.startswith("ours") else 1.0  # see training_step
     step = training_step(run, optimizer, inputs, targets, scale, losses, phase_ms)
-    warm = measure_step(step, steps=warmup, warmup=0) if warmup else None
-    compiles_in_warmup = compiles.count
-    phase_ms.clear()
-    timed = measure_step(step, steps=steps, warmup=0)
-    extra["phase_ms"] = {phase: round(statistics.median(ms), 3) for phase, ms in phase_ms.items()}
-    if variant.startswith("ours"):  # after the timed steps: the profiler slows what it watches
-        extra["exposed_comm_ms"] = _exposed_comm_ms(step, PROFILED_STEPS)
-    global_loss = torch.tensor(losses[: warmup + steps], dtype=torch.float64)
+    return _Prepared(
+        variant, model, step, losses, phase_ms, extra, _CompileCounter() if compiled else None
+    )
+
+
+def _result(
+    prepared: _Prepared, step_ms: list[float], first_step_ms: float | None, compiles_in_warmup: int
+) -> dict:
+    """What one variant reports, after its timed steps (``step_ms``, the slowest rank's)."""
+    extra = dict(prepared.extra)
+    extra["phase_ms"] = {
+        phase: round(statistics.median(ms), 3) for phase, ms in prepared.phase_ms.items()
+    }
+    global_loss = torch.tensor(prepared.losses, dtype=torch.float64)  # every variant's steps
     dist.all_reduce(global_loss)  # gloo has no ReduceOp.AVG
-    if variant.endswith(COMPILED):  # a compile inside the timed steps would spoil the median
-        extra["graphs_compiled"] = compiles.count
-        extra["compiled_in_timed_steps"] = compiles.count - compiles_in_warmup
-    compiles.close()
+    if prepared.variant.startswith(
+        "ours"
+    ):  # after the timed steps: the profiler slows what it watches
+        extra["exposed_comm_ms"] = _exposed_comm_ms(prepared.step, PROFILED_STEPS)
+    world_size = dist.get_world_size()
+    if prepared.compiles is not None:  # a compile inside the timed steps would spoil the median
+        extra["graphs_compiled"] = prepared.compiles.count
+        extra["compiled_in_timed_steps"] = prepared.compiles.count - compiles_in_warmup
+        prepared.compiles.close()
     return {
-        "step_s": [ms / 1e3 for ms in timed.step_ms],
-        "first_step_ms": round(warm.step_ms[0], 1) if warm is not None else None,
+        "step_s": [ms / 1e3 for ms in step_ms],
+        "first_step_ms": round(first_step_ms, 1) if first_step_ms is not None else None,
         "loss_first": global_loss[0].item() / world_size,
         "loss_last": global_loss[-1].item() / world_size,
-        "param_bytes_per_rank": local_param_bytes(model),
+        "param_bytes_per_rank": local_param_bytes(prepared.model),
         **extra,
     }
+
+
+def time_variant(
+    rank: int,
+    world_size: int,
+    variant: str,
+    model_name: str,
+    steps: int,
+    warmup: int,
+    hardware: str | None,
+) -> dict:
+    """One rank of one variant in its own set of ranks (``--separate``): build, train
+    ``warmup + steps`` steps, return timings."""
+    os.dup2(2, 1)  # keep the parent's stdout for JSON lines (HiGHS prints a banner)
+    prepared = _prepare(rank, world_size, variant, model_name, hardware)
+    warm = measure_step(prepared.step, steps=warmup, warmup=0) if warmup else None
+    compiles = prepared.compiles.count if prepared.compiles is not None else 0
+    prepared.phase_ms.clear()
+    timed = measure_step(prepared.step, steps=steps, warmup=0)
+    first = warm.step_ms[0] if warm is not None else None
+    return _result(prepared, list(timed.step_ms), first, compiles)
+
+
+def time_interleaved(
+    rank: int,
+    world_size: int,
+    variants: list[str],
+    model_name: str,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    hardware: str | None,
+) -> dict[str, dict]:
+    """One rank of every variant of a comparison in one set of ranks: build them all, warm
+    each up, then time them round-robin, ``rounds`` rounds of ``steps / rounds`` steps
+    (each round starts each variant with ``ROUND_WARMUP`` untimed steps), so a slow spell
+    of the machine, and the build of a set of ranks, fall on all of them alike."""
+    os.dup2(2, 1)  # keep the parent's stdout for JSON lines (HiGHS prints a banner)
+    built = [_prepare(rank, world_size, variant, model_name, hardware) for variant in variants]
+    first: dict[str, float | None] = {}
+    compiles: dict[str, int] = {}
+    for prepared in built:
+        warm = measure_step(prepared.step, steps=warmup, warmup=0) if warmup else None
+        first[prepared.variant] = warm.step_ms[0] if warm is not None else None
+        compiles[prepared.variant] = prepared.compiles.count if prepared.compiles is not None else 0
+        prepared.phase_ms.clear()
+    per_round = -(-steps // rounds)
+    times: dict[str, list[float]] = {prepared.variant: [] for prepared in built}
+    for _ in range(rounds):
+        for prepared in built:
+            timing = measure_step(prepared.step, steps=per_round, warmup=ROUND_WARMUP)
+            times[prepared.variant] += timing.step_ms
+            for phase_times in prepared.phase_ms.values():  # the timed steps' phases only
+                del phase_times[-(ROUND_WARMUP + per_round) : -per_round]
+    return {
+        prepared.variant: _result(
+            prepared, times[prepared.variant], first[prepared.variant], compiles[prepared.variant]
+        )
+        for prepared in built
+    }
+
+
+ROUND_WARMUP = 1
+"""Untimed steps of each variant at the start of every round (``--rounds``): the variant
+before it has just churned the caches and the allocator."""
 
 
 PROFILED_STEPS = 5
@@ -196,27 +283,55 @@ class _CompileCounter(logging.Handler):
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
-    """Time ``variant`` on ``args.nproc`` ranks; {"status": "ok", ...} or {"status": "error", ...}."""
-    try:
-        results = run_distributed(
-            time_variant,
+    """Time ``variant`` on ``args.nproc`` ranks of its own; {"status": "ok", ...} or
+    {"status": "error", ...}."""
+    return _run(
+        lambda: {
+            variant: run_distributed(
+                time_variant,
+                args.nproc,
+                variant,
+                args.model,
+                args.steps,
+                args.warmup,
+                args.hardware,
+                timeout_s=args.timeout,
+            )[0]
+        },
+        [variant],
+    )[variant]
+
+
+def run_interleaved(variants: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Time ``variants`` round-robin in one set of ``args.nproc`` ranks (see
+    ``time_interleaved``); each {"status": "ok", ...}, or all {"status": "error", ...}."""
+    return _run(
+        lambda: run_distributed(
+            time_interleaved,
             args.nproc,
-            variant,
+            variants,
             args.model,
             args.steps,
             args.warmup,
+            args.rounds,
             args.hardware,
-            timeout_s=args.timeout,
-        )
+            timeout_s=args.timeout * len(variants),
+        )[0],
+        variants,
+    )
+
+
+def _run(launch: Callable[[], dict[str, dict]], variants: list[str]) -> dict[str, dict]:
+    try:
+        results = launch()
     except RuntimeError as exc:
-        print(f"[{variant}] failed:\n{exc}", file=sys.stderr)
+        print(f"[{', '.join(variants)}] failed:\n{exc}", file=sys.stderr)
         lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-        return {"status": "error", "error": lines[-1] if lines else repr(exc)}
-    result = results[0]
+        error = {"status": "error", "error": lines[-1] if lines else repr(exc)}
+        return {variant: dict(error) for variant in variants}
     return {
-        "status": "ok",
-        "median_ms": round(1e3 * statistics.median(result["step_s"]), 3),
-        **result,
+        variant: {"status": "ok", "median_ms": round(1e3 * statistics.median(r["step_s"]), 3), **r}
+        for variant, r in results.items()
     }
 
 
@@ -266,29 +381,44 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time ours under torch.compile(backend=autoparallel_backend())",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="round-robin rounds over a comparison's variants, in one set of ranks",
+    )
+    parser.add_argument(
+        "--separate",
+        action="store_true",
+        help="time each variant in its own set of ranks instead (no round-robin)",
+    )
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.nproc < 1:
-        parser.error("need --steps >= 1, --warmup >= 0, --nproc >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.nproc < 1 or args.rounds < 1:
+        parser.error("need --steps >= 1, --warmup >= 0, --nproc >= 1, --rounds >= 1")
     if args.compile and args.warmup < 1:
         parser.error("--compile needs --warmup >= 1: the first step compiles and must not be timed")
 
     comparisons = [("memory", "ours-memory", "fsdp2"), ("free", "ours-free", "ddp")]
     failed = False
     for comparison, ours_variant, theirs_variant in comparisons:
-        ours = run_variant(ours_variant, args)
-        theirs = run_variant(theirs_variant, args)
-        failed |= ours["status"] == "error" or theirs["status"] == "error"
+        variants = [ours_variant, theirs_variant] + (
+            [ours_variant + COMPILED] if args.compile else []
+        )
+        if args.separate:
+            results = {variant: run_variant(variant, args) for variant in variants}
+        else:
+            results = run_interleaved(variants, args)
+        ours, theirs = results[ours_variant], results[theirs_variant]
+        compiled = results.get(ours_variant + COMPILED)
+        failed |= any(result["status"] == "error" for result in results.values())
         ratio = _ratio(ours, theirs)
-        compiled = None
-        if args.compile:
-            compiled = run_variant(ours_variant + COMPILED, args)
-            failed |= compiled["status"] == "error"
         line = {
             "model": args.model,
             "nproc": args.nproc,
             "comparison": comparison,
             "steps": args.steps,
             "warmup": args.warmup,
+            "rounds": None if args.separate else args.rounds,
             "ours_status": ours["status"],
             "ours": _summary(ours),
             "theirs_name": theirs_variant,
