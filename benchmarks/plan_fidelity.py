@@ -5,6 +5,9 @@
         [--recipes free ddp fsdp tp free-twin recompute]
         [--no-torch]
 
+``--pin-cores`` binds each rank to one core (``autoparallel._testing.harness.pin_to_core``);
+calibrate the profile with ``--pin-cores`` too.
+
 ``profile.json`` comes from ``autoparallel calibrate --nproc 2 --out profile.json`` on the same
 machine (the default, the ``cpu`` preset, is not this machine). For every model and every
 rank count, one set of gloo ranks plans the model under that hardware once per recipe (see
@@ -337,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds per model and rank count"
     )
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="bind each rank to one core (calibrate the profile with --pin-cores too)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         parser.error(
@@ -362,7 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         for nproc in args.nproc:
             try:
                 results = run_distributed(
-                    fidelity_rank, nproc, model, settings, timeout_s=args.timeout
+                    fidelity_rank,
+                    nproc,
+                    model,
+                    settings,
+                    timeout_s=args.timeout,
+                    pin_cores=args.pin_cores,
                 )[0]
             except RuntimeError as exc:
                 print(f"[plan_fidelity] {model} on {nproc} ranks failed:\n{exc}", file=sys.stderr)
@@ -373,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             line = {
                 "model": model,
                 "nproc": nproc,
+                "pin_cores": args.pin_cores,
                 "hardware": args.hardware,
                 "steps": args.steps,
                 "variants": results,

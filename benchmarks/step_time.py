@@ -13,7 +13,8 @@ steps each (every round starts each variant with one untimed step), so a slow sp
 shared machine, and the build of a set of ranks, fall on both sides of a ratio alike: in
 separate sets of ranks (``--separate``, where one failing or hanging variant does not take
 the others down) the tiny LLaMA's free plan measured 0.99, 1.17 and 1.24 of DDP in three
-runs of the same code (2026-12-05).
+runs of the same code (2026-12-05). ``--pin-cores`` binds each rank to one core (calibrate
+the profile with ``--pin-cores`` too).
 
 Comparisons, one JSON line each on stdout (children's output goes to stderr):
 
@@ -296,6 +297,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
                 args.warmup,
                 args.hardware,
                 timeout_s=args.timeout,
+                pin_cores=args.pin_cores,
             )[0]
         },
         [variant],
@@ -316,6 +318,7 @@ def run_interleaved(variants: list[str], args: argparse.Namespace) -> dict[str, 
             args.rounds,
             args.hardware,
             timeout_s=args.timeout * len(variants),
+            pin_cores=args.pin_cores,
         )[0],
         variants,
     )
@@ -392,6 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time each variant in its own set of ranks instead (no round-robin)",
     )
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="bind each rank to one core (calibrate the profile with --pin-cores too)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.nproc < 1 or args.rounds < 1:
         parser.error("need --steps >= 1, --warmup >= 0, --nproc >= 1, --rounds >= 1")
@@ -419,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": args.warmup,
             "rounds": None if args.separate else args.rounds,
+            "pin_cores": args.pin_cores,
             "ours_status": ours["status"],
             "ours": _summary(ours),
             "theirs_name": theirs_variant,

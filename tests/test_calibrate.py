@@ -350,6 +350,7 @@ def test_the_cli_plans_on_a_profile_and_refuses_a_missing_one(tmp_path):
         code = main([*TINY_PLAN_ARGS, "--hardware", str(path), "--no-save", "--out", str(out)])
         missing = main([*TINY_PLAN_ARGS, "--hardware", str(tmp_path / "nope.json")])
         unlaunched = main(["calibrate", "--out", str(tmp_path / "p.json")])
+        pinned_unlaunched = main(["calibrate", "--pin-cores", "--out", str(tmp_path / "p.json")])
         bad_grid = main(
             [
                 "calibrate",
@@ -367,3 +368,6 @@ def test_the_cli_plans_on_a_profile_and_refuses_a_missing_one(tmp_path):
     assert f"priced on my-cluster (profile {path})" in stdout.getvalue()
     assert missing == 2 and "no such hardware profile" in stderr.getvalue()
     assert unlaunched == 2 and "--nproc" in stderr.getvalue()
+    assert (
+        pinned_unlaunched == 2 and "--pin-cores binds the ranks --nproc spawns" in stderr.getvalue()
+    )

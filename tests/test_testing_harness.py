@@ -6,6 +6,7 @@ LOCAL per-rank batch slices and compare with the single-process reference.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -44,6 +45,10 @@ def _fail_while_peer_waits(rank: int, world_size: int) -> None:
     if rank == 1:
         raise KeyError("rank one failed before the collective")
     dist.all_reduce(torch.ones(1))  # rank 0 blocks here: its peer never joins
+
+
+def _cores(rank: int, world_size: int) -> list[int]:
+    return sorted(os.sched_getaffinity(0))
 
 
 def _hang(rank: int, world_size: int) -> None:
@@ -102,6 +107,14 @@ def test_run_distributed_returns_values_in_rank_order():
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["world_size"] == 2 for r in results)
     assert [r["sum"] for r in results] == [3.0, 3.0]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
+def test_pinned_ranks_run_on_one_core_each_in_turn():
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = run_distributed(_cores, 3, timeout_s=60, pin_cores=True)
+    assert pinned == [[cores[rank % len(cores)]] for rank in range(3)]
+    assert run_distributed(_cores, 2, timeout_s=60) == [cores, cores]  # unpinned by default
 
 
 def test_run_distributed_passes_arguments_well_within_60_s():

@@ -87,6 +87,19 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
+def pin_to_core(rank: int) -> int | None:
+    """Bind this process to one of the cores it may run on, ``rank`` modulo their count (as
+    a GPU job binds one device per rank), and return that core; None where the OS has no
+    affinity call. On a shared host a rank the scheduler moves between cores, or whose core
+    another rank's threads share, times less steadily."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -95,9 +108,12 @@ def _worker(
     args: tuple,
     kwargs: dict,
     results: Any,
+    pin_cores: bool = False,
 ) -> None:
     """Body of one spawned rank: report ("ok", payload) or ("error", traceback) on ``results``."""
     os.environ.update(_child_env(rank, world_size, port))
+    if pin_cores:
+        pin_to_core(rank)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -129,7 +145,12 @@ def _stop(processes: Sequence[Any]) -> None:
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120, **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120,
+    pin_cores: bool = False,
+    **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
@@ -140,6 +161,7 @@ def run_distributed(
 
     ``fn`` must be a module-level function and its arguments and return value picklable
     (tensors are returned by value). Returns the ranks' return values in rank order.
+    ``pin_cores``: each rank bound to one core (:func:`pin_to_core`).
 
     Return DTensors as full tensors (``gather_full``, ``full_params``, ``full_grads``):
     the process group is gone by the time the value is pickled.
@@ -168,7 +190,7 @@ def run_distributed(
             for rank in range(world_size):
                 proc = context.Process(
                     target=_worker,
-                    args=(rank, world_size, port, fn, args, kwargs, results),
+                    args=(rank, world_size, port, fn, args, kwargs, results, pin_cores),
                     name=f"autoparallel-rank{rank}",
                     daemon=True,
                 )

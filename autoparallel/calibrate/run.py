@@ -160,6 +160,9 @@ def calibrate_group(
         if device.type == "cuda"
         else platform.processor() or platform.machine(),
         "threads_per_rank": torch.get_num_threads(),
+        "cores_per_rank": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "torch": torch.__version__,
         "host": platform.node(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -317,9 +320,12 @@ def _calibrate_rank(
 
 
 def calibrate_local(
-    nproc: int, settings: CalibrationSettings, timeout_s: float = 3600
+    nproc: int, settings: CalibrationSettings, timeout_s: float = 3600, pin_cores: bool = False
 ) -> Calibration:
-    """Calibrate on ``nproc`` gloo ranks spawned on this machine (one thread each)."""
+    """Calibrate on ``nproc`` gloo ranks spawned on this machine (one thread each; with
+    ``pin_cores`` each bound to one core, as the runs the profile prices should be)."""
     from autoparallel._testing.harness import run_distributed
 
-    return run_distributed(_calibrate_rank, nproc, settings, timeout_s=timeout_s)[0]
+    return run_distributed(
+        _calibrate_rank, nproc, settings, timeout_s=timeout_s, pin_cores=pin_cores
+    )[0]

@@ -2,7 +2,8 @@
 
 Two ways to run it:
 
-* ``autoparallel calibrate --nproc 4 --out profile.json`` spawns 4 gloo ranks on this machine;
+* ``autoparallel calibrate --nproc 4 --out profile.json`` spawns 4 gloo ranks on this machine
+  (``--pin-cores`` binds each to one core: calibrate so when the runs it prices are bound so);
 * ``torchrun --nproc_per_node 8 --nnodes 2 ... -m autoparallel.cli calibrate --out
   profile.json --mesh 2x8`` uses the launched group (nccl where CUDA is there, else gloo);
   ranks per node come from torchrun (``LOCAL_WORLD_SIZE``), so the 2 of ``2x8`` is measured as
@@ -60,6 +61,11 @@ def add_commands(commands: Any) -> None:
         "(default: 16-1024 on CPU, 64-16384 on GPU); none: no table",
     )
     calibrate.add_argument("--name", default=None, help="the profile's hardware name")
+    calibrate.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="with --nproc: bind each spawned rank to one core (time the runs it prices the same way)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,10 +73,18 @@ def run(args: argparse.Namespace) -> int:
     from autoparallel.calibrate.run import CalibrationSettings, calibrate_local
 
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.pin_cores and args.nproc is None:
+        raise UsageError(
+            "--pin-cores binds the ranks --nproc spawns; under torchrun bind them there"
+        )
     if args.nproc is None and not launched:
         raise UsageError("give --nproc N to spawn N local ranks, or launch with torchrun")
     if args.nproc is not None and args.nproc < 2:
         raise UsageError(f"--nproc must be at least 2 (collectives need peers), got {args.nproc}")
+    if args.pin_cores and args.nproc is None:
+        raise UsageError(
+            "--pin-cores binds the ranks --nproc spawns; under torchrun bind them there"
+        )
     if not args.out.parent.is_dir():
         raise UsageError(f"--out {args.out}: directory {args.out.parent} does not exist")
     world = args.nproc if args.nproc is not None else int(os.environ["WORLD_SIZE"])
@@ -97,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         name=args.name,
     )
     if args.nproc is not None:
-        result = calibrate_local(args.nproc, settings)
+        result = calibrate_local(args.nproc, settings, pin_cores=args.pin_cores)
     else:
         result = _calibrate_launched(settings)
         if result is None:  # not rank 0
