@@ -298,9 +298,12 @@ def _fix_in_turn(
         tried.add(fixed.tobytes())
         count = len(fixed)
         highs.changeColsBounds(count, fixed, np.ones(count), np.ones(count))
-        whole = None
-        if np.all(np.logical_or.reduceat(values[flat] > threshold, starts)) if len(flat) else False:
-            whole = _fixed_whole(highs, problem, options, deadline, relaxed, held)
+        every_class = len(flat) > 0 and bool(
+            np.all(np.logical_or.reduceat(values[flat] > threshold, starts))
+        )
+        whole = (
+            _fixed_whole(highs, problem, options, deadline, relaxed, held) if every_class else None
+        )
         if whole is not None:
             status, plan = whole
         else:
@@ -341,11 +344,12 @@ def _fixed_whole(
     held: np.ndarray | None,
 ) -> tuple[str, Candidate | None] | None:
     """With a strategy fixed for every node class (and ``held`` at their values in
-    ``relaxed``), what is left is the columns the strategies determine: the relaxation from
-    the basis ``highs`` holds is the plan, in a few dual simplex pivots, where the MIP over
-    the same columns spends ~1 s in its presolve (LLaMA-3 8B on (8, 8), 197 k columns).
-    Returns (status, the plan or None); None where the relaxation's vertex is not integral
-    (the caller runs the MIP). The bounds of ``held`` are restored."""
+    ``relaxed``), what is left is the columns the strategies determine, and its relaxation's
+    vertex is the plan. Solved from no basis, so HiGHS's presolve removes the fixed columns
+    first: 0.4 s on LLaMA-3 8B on (8, 8) (197 k columns), where the MIP over the same columns
+    took 1.0 s and the relaxation from the basis ``highs`` holds 1.8-2.7 s. Returns (status,
+    the plan or None: infeasible); None where the vertex is not integral or the LP stopped
+    (the caller runs the MIP). ``held``'s bounds and ``highs``'s basis are restored."""
     held = np.zeros(0, np.int32) if held is None else np.asarray(held, np.int32)
     original, basis = highs.getLp(), highs.getBasis()
     at = np.round(relaxed[held])
