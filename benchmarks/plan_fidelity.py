@@ -71,16 +71,17 @@ from workloads import (
     PHASES,
     RECIPES,
     WORKLOADS,
+    TimedRun,
     build_torch_ddp,
     build_torch_fsdp2,
     local_rows,
     make_optimizer,
     plan_ours,
     predicted_phase_ms,
+    round_robin,
     training_step,
 )
 
-from autoparallel import measure_step
 from autoparallel._testing.harness import run_distributed
 
 TORCH_VARIANTS = ("torch-ddp", "torch-fsdp2")
@@ -99,9 +100,6 @@ class _Variant:
 
 TWIN = "free-twin"
 """The free plan, planned and built again: its distance from ``free`` is the noise floor."""
-
-ROUND_WARMUP = 1
-"""Untimed steps of each variant at the start of every round after the first."""
 
 RECOMPUTE_EVERY_LAYER = {"memory_budget": 1e15, "activation_checkpointing": "all"}
 """The ``recompute`` variant: the free plan with every layer recomputed in the backward (a
@@ -157,9 +155,8 @@ def plan_key(plan: Any) -> str:
 
 def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) -> dict:
     """One rank: build every variant, then time them round-robin (``rounds`` rounds of
-    ``steps`` steps each, after ``warmup`` untimed steps in the first round and
-    ``ROUND_WARMUP`` in the others), so a slow spell
-    of the machine falls on every variant alike. The same order on every rank."""
+    ``steps`` steps each, ``workloads.round_robin``), so a slow spell of the machine falls
+    on every variant alike."""
     from torch.distributed.device_mesh import init_device_mesh
 
     os.dup2(2, 1)  # keep the parent's stdout for the report (HiGHS prints a banner)
@@ -175,20 +172,10 @@ def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) ->
         except Exception as exc:  # a failing variant must not hide the others' figures
             traceback.print_exc()
             results[variant] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
-    times: dict[str, list[float]] = {variant: [] for variant in built}
-    rank_medians: dict[str, list[tuple[float, ...]]] = {variant: [] for variant in built}
-    for round_index in range(args["rounds"]):
-        # every round after the first starts each variant with one untimed step too: the
-        # variant before it (torch's FSDP2, the largest, before the first) has just
-        # churned the caches and the allocator, which the first timed step would pay
-        warmup = args["warmup"] if round_index == 0 else ROUND_WARMUP
-        for variant, run in built.items():
-            timing = measure_step(run.step, run.plan, steps=args["steps"], warmup=warmup)
-            times[variant] += timing.step_ms
-            rank_medians[variant].append(timing.rank_median_ms)
-            if warmup:  # the phases of the timed steps only: this round's first steps out
-                for phase_times in run.phase_ms.values():
-                    del phase_times[-(warmup + args["steps"]) : -args["steps"]]
+    runs = {variant: TimedRun(run.step, run.plan, run.phase_ms) for variant, run in built.items()}
+    timings = round_robin(runs, args["rounds"], args["steps"], args["warmup"])
+    times = {variant: [ms for t in timings[variant] for ms in t.step_ms] for variant in built}
+    rank_medians = {variant: [t.rank_median_ms for t in timings[variant]] for variant in built}
     for variant, run in built.items():
         predicted = run.plan.totals.total_us / 1e3 if run.plan is not None else None
         results[variant] = {

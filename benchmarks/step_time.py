@@ -62,13 +62,16 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `autopara
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workloads import (
+    ROUND_WARMUP,
     WORKLOADS,
+    TimedRun,
     build_torch_ddp,
     build_torch_fsdp2,
     local_param_bytes,
     local_rows,
     make_optimizer,
     plan_ours,
+    round_robin,
     training_step,
 )
 
@@ -186,12 +189,18 @@ def time_variant(
     ``warmup + steps`` steps, return timings."""
     os.dup2(2, 1)  # keep the parent's stdout for JSON lines (HiGHS prints a banner)
     prepared = _prepare(rank, world_size, variant, model_name, hardware)
+    first, compiles = _warm_up(prepared, warmup)
+    timed = measure_step(prepared.step, steps=steps, warmup=0)
+    return _result(prepared, list(timed.step_ms), first, compiles)
+
+
+def _warm_up(prepared: _Prepared, warmup: int) -> tuple[float | None, int]:
+    """Run ``warmup`` untimed steps of ``prepared`` (a compiled variant compiles in them);
+    returns the first one's time and the graphs compiled so far, and clears the phases."""
     warm = measure_step(prepared.step, steps=warmup, warmup=0) if warmup else None
     compiles = prepared.compiles.count if prepared.compiles is not None else 0
     prepared.phase_ms.clear()
-    timed = measure_step(prepared.step, steps=steps, warmup=0)
-    first = warm.step_ms[0] if warm is not None else None
-    return _result(prepared, list(timed.step_ms), first, compiles)
+    return (warm.step_ms[0] if warm is not None else None), compiles
 
 
 def time_interleaved(
@@ -206,36 +215,21 @@ def time_interleaved(
 ) -> dict[str, dict]:
     """One rank of every variant of a comparison in one set of ranks: build them all, warm
     each up, then time them round-robin, ``rounds`` rounds of ``steps / rounds`` steps
-    (each round starts each variant with ``ROUND_WARMUP`` untimed steps), so a slow spell
+    (each round starts each variant with ``workloads.ROUND_WARMUP`` untimed steps), so a slow spell
     of the machine, and the build of a set of ranks, fall on all of them alike."""
     os.dup2(2, 1)  # keep the parent's stdout for JSON lines (HiGHS prints a banner)
     built = [_prepare(rank, world_size, variant, model_name, hardware) for variant in variants]
-    first: dict[str, float | None] = {}
-    compiles: dict[str, int] = {}
-    for prepared in built:
-        warm = measure_step(prepared.step, steps=warmup, warmup=0) if warmup else None
-        first[prepared.variant] = warm.step_ms[0] if warm is not None else None
-        compiles[prepared.variant] = prepared.compiles.count if prepared.compiles is not None else 0
-        prepared.phase_ms.clear()
-    per_round = -(-steps // rounds)
-    times: dict[str, list[float]] = {prepared.variant: [] for prepared in built}
-    for _ in range(rounds):
-        for prepared in built:
-            timing = measure_step(prepared.step, steps=per_round, warmup=ROUND_WARMUP)
-            times[prepared.variant] += timing.step_ms
-            for phase_times in prepared.phase_ms.values():  # the timed steps' phases only
-                del phase_times[-(ROUND_WARMUP + per_round) : -per_round]
+    warmed = {prepared.variant: _warm_up(prepared, warmup) for prepared in built}
+    runs = {p.variant: TimedRun(p.step, None, p.phase_ms) for p in built}
+    timings = round_robin(runs, rounds, -(-steps // rounds), ROUND_WARMUP)
     return {
         prepared.variant: _result(
-            prepared, times[prepared.variant], first[prepared.variant], compiles[prepared.variant]
+            prepared,
+            [ms for timing in timings[prepared.variant] for ms in timing.step_ms],
+            *warmed[prepared.variant],
         )
         for prepared in built
     }
-
-
-ROUND_WARMUP = 1
-"""Untimed steps of each variant at the start of every round (``--rounds``): the variant
-before it has just churned the caches and the allocator."""
 
 
 PROFILED_STEPS = 5

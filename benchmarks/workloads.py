@@ -30,9 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autoparallel import AutoParallel, Plan
+from autoparallel import AutoParallel, Plan, measure_step
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.models.moe import MOE_TINY, MoETransformer
+from autoparallel.runtime.timing import StepTiming
 
 LR = 1e-3
 RECIPES = ("free", "ddp", "fsdp", "tp")
@@ -298,3 +299,37 @@ def local_param_bytes(model: nn.Module) -> int:
         local = param.to_local() if hasattr(param, "to_local") else param
         total += local.numel() * local.element_size()
     return total
+
+
+ROUND_WARMUP = 1
+"""Untimed steps of each variant at the start of every round after the first: the variant
+before it has just churned the caches and the allocator, which the first timed step would
+pay."""
+
+
+@dataclass
+class TimedRun:
+    """One variant to time round-robin: its training step (:func:`training_step`), the plan
+    its prediction comes from (None for torch's own) and the step's per-phase record."""
+
+    step: Callable[[], None]
+    plan: Plan | None
+    phase_ms: dict[str, list[float]]
+
+
+def round_robin(
+    runs: dict[str, TimedRun], rounds: int, steps: int, first_warmup: int
+) -> dict[str, list[StepTiming]]:
+    """Time ``runs`` in turn, ``rounds`` rounds of ``steps`` steps each (after
+    ``first_warmup`` untimed steps in the first round and ``ROUND_WARMUP`` in the others),
+    so a slow spell of the machine falls on every one alike; the same order on every rank.
+    Each run's ``phase_ms`` keeps its timed steps only."""
+    timings: dict[str, list[StepTiming]] = {name: [] for name in runs}
+    for round_index in range(rounds):
+        warmup = first_warmup if round_index == 0 else ROUND_WARMUP
+        for name, run in runs.items():
+            timings[name].append(measure_step(run.step, run.plan, steps=steps, warmup=warmup))
+            if warmup:  # this round's untimed steps out of the phases
+                for phase_times in run.phase_ms.values():
+                    del phase_times[-(warmup + steps) : -steps]
+    return timings

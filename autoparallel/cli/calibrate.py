@@ -81,10 +81,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --nproc N to spawn N local ranks, or launch with torchrun")
     if args.nproc is not None and args.nproc < 2:
         raise UsageError(f"--nproc must be at least 2 (collectives need peers), got {args.nproc}")
-    if args.pin_cores and args.nproc is None:
-        raise UsageError(
-            "--pin-cores binds the ranks --nproc spawns; under torchrun bind them there"
-        )
     if not args.out.parent.is_dir():
         raise UsageError(f"--out {args.out}: directory {args.out.parent} does not exist")
     world = args.nproc if args.nproc is not None else int(os.environ["WORLD_SIZE"])

@@ -267,13 +267,12 @@ def relax_and_fix(
     if relaxed is None or bound is None:
         bound = float(highs.getInfo().objective_function_value)
         relaxed = np.asarray(highs.getSolution().col_value)
-    values = relaxed[: problem.num_variables]
     deadline = time.perf_counter() + time_limit_s
     # a plan is accepted within fix_gap of the bound: the MIPs over the rest need not
     # prove more than half of it
     highs.setOptionValue("mip_rel_gap", max(float(options.relative_gap), options.fix_gap / 2))
     try:
-        return _fix_in_turn(highs, problem, options, values, bound, deadline, relaxed, held)
+        return _fix_in_turn(highs, problem, options, relaxed, bound, deadline, held)
     finally:
         highs.setOptionValue("mip_rel_gap", float(options.relative_gap))
 
@@ -282,12 +281,12 @@ def _fix_in_turn(
     highs: highspy.Highs,
     problem: Problem,
     options: SolverOptions,
-    values: np.ndarray,
+    relaxed: np.ndarray,
     bound: float,
     deadline: float,
-    relaxed: np.ndarray,
     held: np.ndarray | None,
 ) -> Candidate | None:
+    values = relaxed[: problem.num_variables]
     best: Candidate | None = None
     tried: set[bytes] = set()  # a higher threshold often fixes the same columns
     flat, starts = _node_class_columns(problem)
@@ -351,7 +350,8 @@ def _fixed_whole(
     the plan or None: infeasible); None where the vertex is not integral or the LP stopped
     (the caller runs the MIP). ``held``'s bounds and ``highs``'s basis are restored."""
     held = np.zeros(0, np.int32) if held is None else np.asarray(held, np.int32)
-    original, basis = highs.getLp(), highs.getBasis()
+    bounds = [highs.getCol(int(column))[2:4] for column in held]  # (lower, upper) to restore
+    basis = highs.getBasis()
     at = np.round(relaxed[held])
     highs.changeColsBounds(len(held), held, at, at)
     highs.clearSolver()  # from no basis, HiGHS's presolve removes the fixed columns first
@@ -366,8 +366,7 @@ def _fixed_whole(
             return None
         return status, Candidate(float(highs.getInfo().objective_function_value), values)
     finally:
-        lower = np.asarray(original.col_lower_)[held]
-        upper = np.asarray(original.col_upper_)[held]
+        lower, upper = (np.array([b[i] for b in bounds], dtype=np.float64) for i in (0, 1))
         highs.changeColsBounds(len(held), held, lower, upper)
         highs.setBasis(basis)
 
