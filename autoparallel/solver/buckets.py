@@ -36,7 +36,13 @@ its own latency there steered plans away from the data parallelism and the FSDP 
 makes cheap (the tiny MoE on a gloo (2, 2) gathered its activations rather than reduce a
 gradient, 2.2x slower). On 3-D meshes the relaxation turns fractional for good: the tiny
 LLaMA on (2, 2, 2) took 319 s of branch and bound against 24 s, so there every collective
-keeps its own latency (conservative: the runtime coalesces them).
+keeps its own latency (conservative: the runtime coalesces them). Measured again with relax
+and fix in place (2026-12-05, the narrow LLaMA of ``tests/test_plan_llama.py`` on a fake
+(2, 2, 2), h100 preset, parameter memory constraint, scratch script, one run each): 80 s
+without buckets ("lp"), 328 s with both kinds ("lp+fix", 0.47 % above its bound, 2 % cheaper
+at its own prices), 182 s with the gradient buckets alone ("lp+fix", a plan that used none of
+them, dearer than without). Lifting this limit needs a formulation whose relaxation stays
+integral, not a faster fix.
 
 Such a pair is priced as its direct single step even where the route table found a cheaper
 multi-step route (say reduce-scatter then all-gather instead of an all-reduce): coalescing
