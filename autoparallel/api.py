@@ -23,11 +23,11 @@ from autoparallel.cost.tables import build_cost_tables
 from autoparallel.cost.topology import Topology
 from autoparallel.files.placements import check_compatible, load_placements, save_placements
 from autoparallel.optimizer import ShardingOptimizer
+from autoparallel.problem.build import build_problem
+from autoparallel.problem.constraints import reduction_dtype_constraints, sharding_constraints
+from autoparallel.problem.folding import find_repeated_nodes
 from autoparallel.runtime.module import apply_placement
-from autoparallel.solver.constraints import reduction_dtype_constraints, sharding_constraints
-from autoparallel.solver.folding import find_repeated_nodes
 from autoparallel.solver.highs import SolverOptions
-from autoparallel.solver.problem import build_problem
 from autoparallel.strategies.space import build_strategy_space
 from autoparallel.trace.export import trace_device, trace_joint
 from autoparallel.trace.mixed_precision import check_policy
@@ -60,7 +60,7 @@ class AutoParallel:
         gpus_per_node: ranks per node, deciding which mesh dims are inter-node.
         time_limit_s / relative_gap: solver controls (on a time-out the best plan found is
             returned with a warning).
-        fold: let repeated layers share decision variables (see solver/folding.py).
+        fold: let repeated layers share decision variables (see problem/folding.py).
         trace_layers_once: when the model's layers are identical modules, trace it with 3
             and 4 layers and build the full graph from those, checked node for node
             (see trace/repeated_layers.py, trace/layer_stamping.py); False traces every layer.

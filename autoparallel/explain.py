@@ -7,7 +7,7 @@ statistics, so that every decision can be questioned. Units are always printed.
 The explanations question it: :func:`explain_placement` (could this node produce that
 placement, and at what local price?) and :func:`cost_matrix` (every price of one edge). They
 read the Problem's price tables and the Plan only; nothing is re-solved. The totals lines and
-the diff of two plans are the report's (:mod:`autoparallel.report.text`), on the plan's JSON.
+the diff of two plans are the report's (:mod:`autoparallel.report.summary` and :mod:`autoparallel.report.diff`), on the plan's JSON.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from autoparallel.cost.topology import Topology
 from autoparallel.files.plan_json import hardware_json, plan_json
-from autoparallel.report.text import hardware_lines, memory_lines, solver_lines, totals_lines
+from autoparallel.report.summary import hardware_lines, memory_lines, solver_lines, totals_lines
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, placement_str
 from autoparallel.types.plan import NodePlan, Plan

@@ -1,9 +1,9 @@
 """ShardingOptimizer: the user's handle on a built problem (constrain, solve, re-solve, explain).
 
 A facade above the solver: it owns a Problem and the most recent Plan and delegates every
-step to the stage that does it (constraint families in ``solver/constraints.py``, solving in
+step to the stage that does it (constraint families in ``problem/constraints.py``, solving in
 ``solver/highs.py``, the plan in ``solver/plan.py``, questions in ``explain.py``, the JSON in
-``files/plan_json_graph.py`` and ``files/plan_json.py``, the diff in ``report/text.py``).
+``files/plan_json_graph.py`` and ``files/plan_json.py``, the diff in ``report/diff.py``).
 ``AutoParallel.sharding_optimizer`` returns it.
 """
 
@@ -27,14 +27,14 @@ from autoparallel.explain import (
 from autoparallel.files.plan_json import plan_json
 from autoparallel.files.plan_json_graph import get_json
 from autoparallel.files.problem import load_problem, save_problem
-from autoparallel.report.text import PlanDiff, diff_plan_json
-from autoparallel.solver.buckets import members_in_use, share_by_use
-from autoparallel.solver.constraints import parameter_memory_constraint, placement_constraint
+from autoparallel.problem.buckets import members_in_use, share_by_use
+from autoparallel.problem.constraints import parameter_memory_constraint, placement_constraint
+from autoparallel.problem.memory import build_memory_model, memory_constraint_of, smallest_peak
+from autoparallel.problem.overlap import fit_shares
+from autoparallel.problem.prefetch import prefetchable_columns
+from autoparallel.report.diff import PlanDiff, diff_plan_json
 from autoparallel.solver.highs import InfeasibleConstraintsError, SolverOptions, solve
-from autoparallel.solver.memory import build_memory_model, memory_constraint_of, smallest_peak
-from autoparallel.solver.overlap import fit_shares
 from autoparallel.solver.plan import build_plan
-from autoparallel.solver.prefetch import prefetchable_columns
 from autoparallel.types.placements import Placements, validate_placements
 from autoparallel.types.plan import Plan, Solution
 from autoparallel.types.problem import Problem
@@ -46,7 +46,7 @@ MEMORY_CONSTRAINT = "memory"
 
 ACTIVATION_CHECKPOINTING = ("off", "auto", "all")
 """What the memory constraint does about saved activations: keep them all, recompute layers
-where the solver finds it pays, or recompute every layer that can be (solver/recompute.py)."""
+where the solver finds it pays, or recompute every layer that can be (problem/recompute.py)."""
 
 REFITS = 3
 """Re-solves at most after the prices that follow the plan were refitted (see resolve)."""
@@ -113,11 +113,11 @@ class ShardingOptimizer:
     ) -> str:
         """Keep the predicted peak memory per device of a training step within
         ``budget_bytes`` (parameters, gradients, optimizer state, saved activations and
-        gathered parameters: see ``solver/memory.py``). ``optimizer`` says what state the
+        gathered parameters: see ``problem/memory.py``). ``optimizer`` says what state the
         optimizer keeps: "adamw" (default), "adam", "sgd", "sgd-momentum", or bytes per
         parameter element. ``activation_checkpointing="auto"`` lets the solver recompute
         layers in the backward instead of saving their activations, where that is the
-        cheapest way to fit (``plan.recompute`` names them; solver/recompute.py); "all"
+        cheapest way to fit (``plan.recompute`` names them; problem/recompute.py); "all"
         recomputes every layer that can be (no random numbers in its forward); "off"
         (default) never recomputes. Replaces an earlier memory constraint; returns its name.
 
@@ -163,8 +163,8 @@ class ShardingOptimizer:
         """Solve the problem with the constraints in force and return the plan.
 
         Two prices follow the plan they are part of: a collective bucket's latency is
-        shared by the members a plan uses (solver/buckets.py), and each overlap window's
-        comm is discounted by what the plan hides of it (solver/overlap.py). After a solve
+        shared by the members a plan uses (problem/buckets.py), and each overlap window's
+        comm is discounted by what the plan hides of it (problem/overlap.py). After a solve
         both are refitted to its plan; while that changes a price the problem is solved
         again, up to ``REFITS`` times (``LARGE_PROBLEM_REFITS`` for a large problem), and the
         plan with the lowest totals is kept (with the prices it was solved at, so a saved
@@ -241,7 +241,7 @@ class ShardingOptimizer:
         discounted objective.
 
         The planner already charges only the exposed part of these gathers (each layer's
-        behind the previous layer's forward, solver/overlap.py); this discount comes on top
+        behind the previous layer's forward, problem/overlap.py); this discount comes on top
         of that, for a runtime that hides more of them than that model says.
         """
         scale = float(scale)

@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script from a checkout
 from workloads import WORKLOADS, local_rows, loss_of, make_optimizer, plan_ours
 
 from autoparallel import measure_memory
-from autoparallel._testing.harness import run_distributed
+from autoparallel.runtime.launch import run_distributed
 from autoparallel.runtime.memory import COMPONENTS
 
 RECIPES = ("free", "ddp", "fsdp", "tp", "budget", "recompute")

@@ -58,7 +58,7 @@ from workloads import (
 )
 
 from autoparallel import measure_step
-from autoparallel._testing.harness import run_distributed
+from autoparallel.runtime.launch import run_distributed
 
 VARIANTS = ("ours-free", "ours-memory", "fsdp2", "fsdp2+ep")
 

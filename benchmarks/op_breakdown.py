@@ -48,7 +48,7 @@ from workloads import (
     predicted_phase_ms,
 )
 
-from autoparallel._testing.harness import run_distributed
+from autoparallel.runtime.launch import run_distributed
 
 
 def _breakdown_rank(rank: int, world_size: int, args: dict) -> dict:

@@ -5,7 +5,7 @@
         [--recipes free ddp fsdp tp free-twin recompute]
         [--no-torch]
 
-``--pin-cores`` binds each rank to one core (``autoparallel._testing.harness.pin_to_core``);
+``--pin-cores`` binds each rank to one core (``autoparallel.runtime.launch.pin_to_core``);
 calibrate the profile with ``--pin-cores`` too.
 
 ``profile.json`` comes from ``autoparallel calibrate --nproc 2 --out profile.json`` on the same
@@ -82,7 +82,7 @@ from workloads import (
     training_step,
 )
 
-from autoparallel._testing.harness import run_distributed
+from autoparallel.runtime.launch import run_distributed
 
 TORCH_VARIANTS = ("torch-ddp", "torch-fsdp2")
 

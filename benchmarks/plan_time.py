@@ -86,7 +86,7 @@ def session(args, model, config, mesh, batch_sharded, mp_policy, **options) -> I
 def halfway_budget(args, model, config, mesh, batch_sharded, mp_policy) -> tuple[dict, float]:
     """Plan without a memory constraint; the budget halfway between that plan's peak and the
     smallest peak any plan could reach recomputing every layer (a lower bound), in bytes."""
-    from autoparallel.solver.memory import build_memory_model, smallest_peak
+    from autoparallel.problem.memory import build_memory_model, smallest_peak
 
     start = time.perf_counter()
     with session(args, model, config, mesh, batch_sharded, mp_policy) as autop:

@@ -76,7 +76,7 @@ from workloads import (
 )
 
 from autoparallel import autoparallel_backend, measure_step
-from autoparallel._testing.harness import run_distributed
+from autoparallel.runtime.launch import run_distributed
 
 MODELS = tuple(WORKLOADS)
 COMPILED = "+compile"

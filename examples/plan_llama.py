@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
 from autoparallel.models import Llama, llama_config
-from autoparallel.report.text import parameter_lines, solver_lines, totals_lines
+from autoparallel.report.summary import parameter_lines, solver_lines, totals_lines
 
 
 def main() -> None:

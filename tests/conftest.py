@@ -11,10 +11,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autoparallel._testing.harness import RankPool
+from autoparallel.runtime.launch import RankPool
 
 # the runtime cases' checks assert in a helper module: let pytest explain their failures
-pytest.register_assert_rewrite("runtime_cases")
+pytest.register_assert_rewrite("helpers")
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def fake_mesh():
 @pytest.fixture(scope="module")
 def ranks():
     """``ranks(world_size)`` -> a :class:`RankPool` of that size, started on first use and
-    shared by the module's tests (starting ranks costs seconds; see _testing/harness.py)."""
+    shared by the module's tests (starting ranks costs seconds; see runtime/launch.py)."""
     pools: dict[int, RankPool] = {}
 
     def pool(world_size: int) -> RankPool:
@@ -59,8 +59,8 @@ def meta(factory):
 @pytest.fixture(scope="module")
 def references():
     """``references(model_name)`` -> the single-device training run of a runtime-case model
-    (runtime_cases.reference_of), computed once per test module."""
-    from runtime_cases import reference_of
+    (helpers/runtime_cases.reference_of), computed once per test module."""
+    from helpers.runtime_cases import reference_of
 
     cache: dict[str, dict] = {}
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from conftest import meta
-from planning import Replicate, Shard
+from helpers.planning import Replicate, Shard
 from torch.distributed.tensor import DTensor
 
 from autoparallel import AutoParallel

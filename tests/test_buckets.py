@@ -1,4 +1,4 @@
-"""Collectives the runtime coalesces are priced as the buckets they become (solver/buckets.py)."""
+"""Collectives the runtime coalesces are priced as the buckets they become (problem/buckets.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import operator
 import pytest
 import torch
 from conftest import meta
-from planning import Replicate, Shard
+from helpers.planning import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.cost import all_gather_us, all_reduce_us
@@ -101,9 +101,9 @@ def test_a_layer_of_sharded_parameters_is_gathered_in_one_bucket_per_phase(fake_
 
 def test_without_bucket_pricing_every_collective_pays_its_latency(fake_mesh):
     """The per-tensor model (build_problem(price_buckets=False)) is dearer for the same DDP plan."""
+    from autoparallel.problem.build import build_problem
     from autoparallel.solver.highs import solve
     from autoparallel.solver.plan import build_plan
-    from autoparallel.solver.problem import build_problem
 
     model = meta(lambda: MLP(64, 256))
     autop, bucketed = _plan(fake_mesh((2,)), model, lambda: torch.randn(32, 64), memory=False)
@@ -155,8 +155,8 @@ def test_a_gradient_sharded_twice_on_one_dim_is_not_coalesced(fake_mesh):
     from torch.distributed.tensor import DTensor, Partial
 
     from autoparallel.cost.topology import Topology
+    from autoparallel.problem.buckets import _coalesced_step
     from autoparallel.runtime.coalesce import coalescable
-    from autoparallel.solver.buckets import _coalesced_step
 
     mesh = fake_mesh((2, 2))
     grad = DTensor.from_local(torch.zeros(8, 4), mesh, (Partial(), Shard(0)), run_check=False)
@@ -180,8 +180,8 @@ def test_a_gradient_pending_over_two_mesh_dims_joins_one_all_reduce_bucket(fake_
     from torch.distributed.tensor import DTensor, Partial
 
     from autoparallel.cost.topology import Topology
+    from autoparallel.problem.buckets import _coalesced_step
     from autoparallel.runtime.coalesce import Reduction, coalescable
-    from autoparallel.solver.buckets import _coalesced_step
 
     mesh = fake_mesh((2, 2))
     grad = DTensor.from_local(torch.zeros(8, 4), mesh, (Partial(), Partial()), run_check=False)
@@ -259,7 +259,7 @@ def test_the_packing_priced_per_member_is_what_the_runtime_runs(fake_mesh, colle
     if the runtime packs its buckets another way, this fails until the price follows."""
     from torch.distributed.tensor import DTensor
 
-    from autoparallel.trace.view_ops import is_view_op
+    from autoparallel.graph.view_ops import is_view_op
     from autoparallel.types.bucketing import packing_ops
 
     mesh = fake_mesh((2,))

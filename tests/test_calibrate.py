@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from conftest import meta
-from planning import TINY_PLAN_ARGS, Replicate, Shard
+from helpers.planning import TINY_PLAN_ARGS, Replicate, Shard
 from torch.distributed.tensor import Partial
 
 from autoparallel import AutoParallel
@@ -27,7 +27,7 @@ from autoparallel.cost.matmul_table import MatmulTable
 from autoparallel.cost.profile import ProfileError, load_profile, write_profile
 from autoparallel.cost.topology import Topology
 from autoparallel.models import MLP
-from autoparallel.report.text import hardware_lines
+from autoparallel.report.summary import hardware_lines
 from autoparallel.runtime.timing import graph_clock
 from autoparallel.types.tensors import TensorInfo
 

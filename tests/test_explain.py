@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import meta
-from planning import Partial, Replicate, Shard
+from helpers.planning import Partial, Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.explain import CHOSEN, CHOSEN_CHEAPER, TARGET_CHEAPER, TIE, UNAVAILABLE

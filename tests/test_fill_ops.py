@@ -7,8 +7,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel
+from autoparallel.graph.fill_ops import is_fill
 from autoparallel.models.moe import MOE_TINY, MoETransformer
-from autoparallel.trace.fill_ops import is_fill
 
 
 def test_a_tensor_of_zeros_is_made_where_it_is_needed_not_moved(fake_mesh):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import meta
-from planning import Replicate, Shard
+from helpers.planning import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.models import Llama, llama_config
-from autoparallel.solver.folding import find_repeated_nodes
+from autoparallel.problem.folding import find_repeated_nodes
 
 CONFIG = llama_config("tiny", n_layers=4)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autoparallel.graph.fx_args import flat_args, map_args
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.trace.export import trace_joint
-from autoparallel.trace.fx_args import flat_args, map_args
 
 
 def _graphs():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hf_cases import (
+from helpers.hf_cases import (
     UNEVEN_VOCAB,
     hf_family_batches,
     hf_family_reference,
@@ -11,7 +11,7 @@ from hf_cases import (
     train_uneven_gpt2,
     uneven_gpt2_reference,
 )
-from runtime_cases import LR, STEPS, TOLERANCE, assert_trained_alike
+from helpers.runtime_cases import LR, STEPS, TOLERANCE, assert_trained_alike
 
 from autoparallel._testing.harness import reference_training
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from init_cases import (
+from helpers.init_cases import (
     SEED,
     init_and_train_titan,
     plan_titan,
@@ -13,7 +13,7 @@ from init_cases import (
     titan_batches,
     titan_reference,
 )
-from runtime_cases import LR, STEPS, TOLERANCE, assert_trained_alike, max_error
+from helpers.runtime_cases import LR, STEPS, TOLERANCE, assert_trained_alike, max_error
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from autoparallel import AutoParallel, InitError, full_value_init

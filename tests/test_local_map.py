@@ -228,7 +228,7 @@ def test_adjoint_gradient_placements():
 def test_the_cli_plans_the_moe_with_experts_over_ep(tmp_path):
     import json
 
-    from planning import run_cli
+    from helpers.planning import run_cli
 
     out, html = tmp_path / "plan.json", tmp_path / "plan.html"
     done = run_cli(

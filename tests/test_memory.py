@@ -1,4 +1,4 @@
-"""The memory model of a whole training step (solver/memory.py): what plan.memory counts,
+"""The memory model of a whole training step (problem/memory.py): what plan.memory counts,
 the memory constraint that keeps the peak within a budget, and the bytes the parallel
 module really holds (gloo ranks)."""
 
@@ -10,8 +10,14 @@ import json
 import pytest
 import torch
 from conftest import meta
-from planning import TINY_PLAN_ARGS, Replicate, Shard, budget_only_recomputing_meets, run_cli
-from runtime_cases import memory_matches_plan
+from helpers.planning import (
+    TINY_PLAN_ARGS,
+    Replicate,
+    Shard,
+    budget_only_recomputing_meets,
+    run_cli,
+)
+from helpers.runtime_cases import memory_matches_plan
 
 from autoparallel import AutoParallel, InfeasibleConstraintsError
 from autoparallel.models import MLP, Llama, llama_config
@@ -212,7 +218,7 @@ def test_the_log_json_and_html_name_the_recomputed_layers(fake_mesh):
     data = json.loads(json.dumps(autop.sharding_optimizer.get_json()))
     assert data["memory"]["recomputed"] == list(plan.recompute)
     assert data["memory"]["recompute_us"] == pytest.approx(plan.memory.recompute_us)
-    from autoparallel.report.text import memory_lines
+    from autoparallel.report.summary import memory_lines
 
     assert any("recomputed in the backward" in line for line in memory_lines(data))
     html = render_html(data)
@@ -230,8 +236,8 @@ def test_a_layer_that_draws_random_numbers_is_never_recomputed(fake_mesh):
         autop.add_memory_constraint(budget, activation_checkpointing="auto")
     opt = autop.sharding_optimizer
     assert opt.problem.memory.recompute == ()  # no layer to recompute
+    from autoparallel.graph.layers import RecomputeError
     from autoparallel.runtime.module import apply_placement
-    from autoparallel.trace.layer_regions import RecomputeError
 
     with pytest.raises(RecomputeError, match="draws random numbers"):
         apply_placement(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import meta
-from mixed_precision_cases import (
+from helpers.mixed_precision_cases import (
     LR,
     POLICY,
     STEPS,

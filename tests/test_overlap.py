@@ -1,5 +1,5 @@
 """Communication the runtime overlaps with compute is charged only for its exposed part
-(solver/overlap.py): plans, totals, reports and saved problems."""
+(problem/overlap.py): plans, totals, reports and saved problems."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import meta
-from planning import Replicate, Shard
+from helpers.planning import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.cost.hardware import H100
@@ -66,7 +66,7 @@ def test_the_report_and_json_show_hidden_and_exposed_comm(fake_mesh):
     assert data["totals"]["exposed_comm_us"] == pytest.approx(plan.totals.exposed_comm_us)
     assert data["overlaps"][0]["phase"] == "backward" and data["overlaps"][0]["hidden_us"] > 0
     from autoparallel.report.html import render_html
-    from autoparallel.report.text import totals_lines
+    from autoparallel.report.summary import totals_lines
 
     assert any(line.startswith("overlap: ") for line in totals_lines(data))
     assert "runs behind compute" in render_html(data)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import meta
-from planning import Replicate, Shard
+from helpers.planning import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.files.placements import PlacementFileError

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from conftest import meta
-from planning import Replicate, Shard, batch_sharded, plan_model
+from helpers.planning import Replicate, Shard, batch_sharded, plan_model
 
 from autoparallel import AutoParallel, InfeasibleConstraintsError
 from autoparallel.models import Llama, llama_config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from conftest import meta
-from planning import Partial, Replicate, Shard, batch_sharded, plan_model, transitions
+from helpers.planning import Partial, Replicate, Shard, batch_sharded, plan_model, transitions
 
 from autoparallel.models import MLP
 

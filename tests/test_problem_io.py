@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import meta
-from planning import Shard
+from helpers.planning import Shard
 
 from autoparallel import AutoParallel
 from autoparallel.files.placements import PlacementFileError

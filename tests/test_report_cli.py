@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from planning import TINY_PLAN_ARGS, run_cli
+from helpers.planning import TINY_PLAN_ARGS, run_cli
 
 from autoparallel.files.plan_json import (
     READ_VERSIONS,
@@ -26,7 +26,8 @@ from autoparallel.files.plan_json import (
     read_plan_json,
 )
 from autoparallel.report import render_html, write_html
-from autoparallel.report.text import collapse_layers, diff_plan_json, summary_lines
+from autoparallel.report.diff import diff_plan_json
+from autoparallel.report.summary import collapse_layers, summary_lines
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")

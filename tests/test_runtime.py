@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from collective_cases import (
+from helpers.collective_cases import (
     gradients_reduced_together,
     parameters_gathered_by_layer,
     plan_is_shared,
     route_is_executed,
 )
-from runtime_cases import (
+from helpers.runtime_cases import (
     TOLERANCE,
     check_parallel_training,
     dynamic_batch_sizes,

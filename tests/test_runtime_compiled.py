@@ -5,7 +5,7 @@ file so that a test worker runs it beside the eager runtime tests."""
 from __future__ import annotations
 
 import pytest
-from runtime_cases import check_parallel_training
+from helpers.runtime_cases import check_parallel_training
 
 
 # the LLaMA's plan recomputes a layer and shards some parameters; the MoE runs its token

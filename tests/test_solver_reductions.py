@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import meta
-from planning import batch_sharded
+from helpers.planning import batch_sharded
 
 from autoparallel import AutoParallel
 from autoparallel import _torch_internals as internals
 from autoparallel.cost import TRANSITION_COST_US, PairPricer, direct_redistribution_cost_us
 from autoparallel.models import MLP, Llama, llama_config
+from autoparallel.problem.memory import estimate_memory
+from autoparallel.problem.overlap import window_times
 from autoparallel.solver import fixing
 from autoparallel.solver import highs as highs_solver
 from autoparallel.solver.fixing import dive, integral, relaxation
@@ -30,8 +32,6 @@ from autoparallel.solver.highs import (
     _to_highs,
     solve,
 )
-from autoparallel.solver.memory import estimate_memory
-from autoparallel.solver.overlap import window_times
 from autoparallel.solver.plan import build_plan
 from autoparallel.solver.priced import priced_plan
 from autoparallel.types.tensors import TensorInfo
@@ -43,7 +43,7 @@ def _without_buckets(problem, use_routes: bool = True):
     """``problem`` built again with every collective at its own latency (no buckets: those
     reprice pair-encoded edges only, so the encodings' optima differ by design), with the
     same user constraints (node columns come first in both)."""
-    from autoparallel.solver.problem import build_problem
+    from autoparallel.problem.build import build_problem
 
     rebuilt = build_problem(
         problem.joint,
@@ -116,7 +116,7 @@ def test_recomputation_under_a_budget_is_planned_near_the_exact_optimum(fake_mes
     over fractions of a layer; branching on them and fixing gives a plan within fix_gap of
     the exact MIP's, whose counts are whole and whose peak meets the budget. Where relax
     and fix fixes a strategy for every node class, what is left is solved as an LP."""
-    from planning import budget_only_recomputing_meets
+    from helpers.planning import budget_only_recomputing_meets
 
     optimizer = _autop(fake_mesh((2,))).sharding_optimizer
     optimizer.remove_constraints(["parameter_memory"])
@@ -440,8 +440,8 @@ def test_route_flows_keep_the_optimum_under_reduce_dtype_constraints(fake_mesh):
     on a mesh whose dim 0 crosses nodes (so routes differ from direct moves)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autoparallel.solver.constraints import reduction_dtype_constraints
-    from autoparallel.solver.problem import build_problem
+    from autoparallel.problem.build import build_problem
+    from autoparallel.problem.constraints import reduction_dtype_constraints
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = fake_mesh((2, 4))

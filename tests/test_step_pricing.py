@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from conftest import meta
-from planning import Replicate, Shard
+from helpers.planning import Replicate, Shard
 
 from autoparallel import AutoParallel, measure_step
 from autoparallel.calibrate.fit import fit_optimizer_step, fit_runtime_overhead
@@ -179,7 +179,7 @@ def test_the_runtime_fit_recovers_its_parts():
 def test_the_runtimes_own_work_is_part_of_the_step(fake_mesh):
     """Its fixed part once per step and its part per trained parameter, in compute and the
     total, in the JSON and the summary; the placements it does not depend on stay."""
-    from autoparallel.report.text import summary_lines
+    from autoparallel.report.summary import summary_lines
 
     host = dataclasses.replace(
         CPU, name="host-with-runtime", runtime_step_us=300.0, runtime_us_per_parameter=20.0

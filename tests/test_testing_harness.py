@@ -13,15 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoparallel._testing.harness import (
-    RankPool,
-    full_grads,
-    full_params,
-    gather_full,
-    reference_training,
-    run_distributed,
-)
+from autoparallel._testing.harness import full_grads, full_params, gather_full, reference_training
 from autoparallel.models import MLP
+from autoparallel.runtime.launch import RankPool, run_distributed
 
 DIM, HIDDEN, BATCH, STEPS, LR = 16, 32, 8, 2, 1e-2
 

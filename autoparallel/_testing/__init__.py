@@ -1,4 +1,2 @@
-"""Helpers for the project's tests and benchmarks: not part of the public API.
-
-``harness`` runs a function on N gloo ranks and the single-device reference training loop.
-"""
+"""Helpers for the project's tests and benchmarks: not public, and no library module imports
+them. ``harness`` holds the single-device reference training loop and full-value gathers."""

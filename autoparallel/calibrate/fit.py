@@ -27,7 +27,7 @@ import torch.fx as fx
 from autoparallel.cost.collectives import RING_PASSES
 from autoparallel.cost.compute import compute_cost_us, is_free_op, priced_by_table
 from autoparallel.cost.hardware import CollectiveFit, Hardware
-from autoparallel.trace.fx_args import map_args
+from autoparallel.graph.fx_args import map_args
 from autoparallel.types.tensors import TensorInfo
 
 _US_PER_S = 1e6

@@ -324,7 +324,7 @@ def calibrate_local(
 ) -> Calibration:
     """Calibrate on ``nproc`` gloo ranks spawned on this machine (one thread each; with
     ``pin_cores`` each bound to one core, as the runs the profile prices should be)."""
-    from autoparallel._testing.harness import run_distributed
+    from autoparallel.runtime.launch import run_distributed
 
     return run_distributed(
         _calibrate_rank, nproc, settings, timeout_s=timeout_s, pin_cores=pin_cores

@@ -36,7 +36,7 @@ from autoparallel.cli.plan_arguments import (
     build_parser,
     validate,
 )
-from autoparallel.report.text import summary_lines
+from autoparallel.report.summary import summary_lines
 
 __all__ = ["main"]
 

@@ -179,7 +179,7 @@ def _explain(args: argparse.Namespace) -> int:
         raise SavedUsageError("--arg selects the input of --costs NODE; give --costs too")
     source = _PlanFile(args.plan)
     if args.placement is None and args.costs is None:
-        from autoparallel.report.text import summary_lines
+        from autoparallel.report.summary import summary_lines
 
         print("\n".join(summary_lines(source.data())))
         return 0
@@ -219,7 +219,7 @@ def _placement_report(optimizer: Any, text: str, nodes: list[str] | None) -> str
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from autoparallel.report.text import diff_plan_json
+    from autoparallel.report.diff import diff_plan_json
 
     first, second = _PlanFile(args.a).data(), _PlanFile(args.b).data()
     print(f"a: {args.a}, b: {args.b}")

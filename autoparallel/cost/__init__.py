@@ -1,4 +1,4 @@
-"""Cost model v1: per-op compute time, collective time and redistribution time (all in us)."""
+"""Stage 4, cost: per-op compute time, collective time and redistribution time (all in us)."""
 
 from autoparallel.cost.collectives import (
     all_gather_us,

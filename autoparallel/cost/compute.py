@@ -29,7 +29,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoparallel.cost.hardware import Hardware
 from autoparallel.cost.matmul_table import MatmulTable
-from autoparallel.trace.view_ops import is_view_op as is_free_op
+from autoparallel.graph.view_ops import is_view_op as is_free_op
 from autoparallel.types.tensors import TensorInfo
 
 __all__ = [

@@ -15,7 +15,7 @@ give, for every (source, target) state, the route's communication time, its numb
 (the tie-breaker) and the next state to visit.
 
 The same arcs let the solver price an edge as a flow through the states instead of one
-variable per (source, target) pair (see ``solver/problem.py``): with hundreds of placements
+variable per (source, target) pair (see ``problem/build.py``): with hundreds of placements
 per activation on a 3-D mesh, the arcs are an order of magnitude fewer than the pairs.
 (Dropping the arcs that lie on no cheapest route, ~25 % of them, was tried: the LP then took
 8x longer to solve, so every possible step keeps its arc.)

@@ -29,8 +29,8 @@ from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.redistribution import PairPricer
 from autoparallel.cost.regions import region_cost_us
 from autoparallel.cost.topology import Topology
+from autoparallel.graph.fx_args import flat_args, map_args
 from autoparallel.regions.local_map import region_backward_op
-from autoparallel.trace.fx_args import flat_args, map_args
 from autoparallel.types.costs import CostTables, EdgeCost, EdgeRoutes
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi

@@ -142,7 +142,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     """The sections a Plan alone gives: ``mesh``, ``totals``, ``solver``, ``nodes`` (without
     module attribution), ``parameters`` (placements only), ``buckets`` and ``fallbacks``.
 
-    Enough for the summary's totals and the diff of two plans (:mod:`autoparallel.report.text`),
+    Enough for the summary's totals and the diff of two plans (:mod:`autoparallel.report.summary` and :mod:`autoparallel.report.diff`),
     which is how the live tools (``diff_solutions``, the verbose log) use the same code as
     ``autoparallel diff`` on files.
     """

@@ -39,8 +39,8 @@ from autoparallel.report.html_costs import (
 )
 from autoparallel.report.html_memory import memory_section
 from autoparallel.report.html_regions import regions_section
+from autoparallel.report.summary import hardware_lines
 from autoparallel.report.template import embed_json, format_bytes, json_safe, placement_html
-from autoparallel.report.text import hardware_lines
 
 __all__ = ["embed_json", "format_bytes", "json_safe", "placement_html", "render_html", "write_html"]
 

@@ -60,7 +60,7 @@ def memory_section(data: Mapping[str, Any]) -> str:
         "memory",
         "Memory",
         summary + bar + f'<p class="legend">{legend}</p>' + _layers_chart(memory),
-        "Bytes per device of one training step (solver/memory.py). At the start of the "
+        "Bytes per device of one training step (problem/memory.py). At the start of the "
         "backward: parameters, optimizer state, saved activations and the gathered parameters "
         "alive; at the optimizer step: parameters, gradients, optimizer state and the step's "
         "temporaries; with recomputed layers, also the backward of the first one it "

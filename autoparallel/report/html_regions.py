@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autoparallel.report import template as t
-from autoparallel.report.text import free_layouts_text
+from autoparallel.report.summary import free_layouts_text
 
 
 def regions_section(data: Mapping[str, Any], dims: Sequence[str]) -> str:

@@ -1,4 +1,4 @@
-"""Stage 6: turning a Plan into a module that trains on local per-rank tensors."""
+"""Stage 7, runtime: turning a Plan into a module that trains on local per-rank tensors."""
 
 from autoparallel.runtime.memory import MeasuredMemory, measure_memory
 from autoparallel.runtime.module import InputMismatchError, apply_placement

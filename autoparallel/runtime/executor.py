@@ -39,11 +39,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
 from autoparallel import _torch_internals as internals
+from autoparallel.graph.fill_ops import fill_value, is_fill
+from autoparallel.graph.fx_args import tensor_input_nodes
+from autoparallel.graph.layers import forward_layers, layer_members, layer_recompute
 from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
 from autoparallel.runtime.shards import contiguous_strides, wrap_shard
-from autoparallel.trace.fill_ops import fill_value, is_fill
-from autoparallel.trace.fx_args import tensor_input_nodes
-from autoparallel.trace.layer_regions import forward_layers, layer_members, recompute_region
 from autoparallel.trace.sharding_constraint import sharding_constraint_op
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import is_multi
@@ -65,7 +65,7 @@ class NodeProgram:
     output_placements: Any
     run_locally: bool
     input_routes: dict[int, tuple] = field(default_factory=dict)  # slot -> placements in between
-    fill: bool = False  # made as this rank's piece directly (trace/fill_ops.py)
+    fill: bool = False  # made as this rank's piece directly (graph/fill_ops.py)
 
 
 class JointExecutor:
@@ -131,7 +131,7 @@ class JointExecutor:
         }
 
     def _recompute(self, layers: Sequence[str]) -> None:
-        """Move each of ``layers``' forward regions into the backward (layer_regions.py):
+        """Move each of ``layers``' forward regions into the backward (graph/layers.py):
         its ops run again just before the first backward op that reads one of their values,
         and the forward saves the region's inputs instead of those values."""
         if not layers:
@@ -139,7 +139,7 @@ class JointExecutor:
         labels = forward_layers(self.joint)
         members = layer_members(labels)
         regions = tuple(
-            recompute_region(self.joint, labels, layer, self.saved_for_backward, members)
+            layer_recompute(self.joint, labels, layer, self.saved_for_backward, members)
             for layer in layers
         )
         inserted: dict[int, list[fx.Node]] = {}
@@ -271,7 +271,7 @@ class JointExecutor:
         return self._conform(result, program.output_placements, traced)
 
     def _filled(self, node: fx.Node, planned: Sequence) -> DTensor:
-        """A fill op's output (trace/fill_ops.py) as this rank's piece of the planned
+        """A fill op's output (graph/fill_ops.py) as this rank's piece of the planned
         placements, made here: no input is read or redistributed. Shard/Replicate only: a
         Partial piece of ones would not sum to ones."""
         if any(isinstance(p, Partial) for p in planned):

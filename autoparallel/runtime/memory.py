@@ -1,6 +1,6 @@
 """Measure a training step's memory per device, component by component, against the plan.
 
-``plan.memory`` is a promise (solver/memory.py); :func:`measure_memory` checks it on the
+``plan.memory`` is a promise (problem/memory.py); :func:`measure_memory` checks it on the
 user's own model: it runs one training step of the parallel module and counts, on this
 rank, the bytes of the tensors themselves::
 

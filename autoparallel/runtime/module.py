@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel.graph.view_ops import parameter_views
 from autoparallel.regions.context import RegionScope, register_running_scope
 from autoparallel.runtime.coalesce import reduce_gradients
 from autoparallel.runtime.dynamic import ShapeVariants
@@ -40,7 +41,6 @@ from autoparallel.runtime.init import (
 )
 from autoparallel.runtime.local_graph import SavedSlot, TracedPhase, flatten_saved, rebuild_saved
 from autoparallel.runtime.shards import wrap_shard
-from autoparallel.trace.view_ops import parameter_views
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import placement_str
 from autoparallel.types.plan import Plan

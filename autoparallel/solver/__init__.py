@@ -1,6 +1,6 @@
-"""Stages 4-5, solver: the MIP built from the priced options, solved with HiGHS, and the Plan.
+"""Stage 6, solver: the MIP built by ``problem/`` solved with HiGHS, and the Plan.
 
-``problem.build_problem`` -> ``constraints`` (the named user constraint families) ->
-``highs.solve`` -> ``plan.build_plan``; ``folding`` finds repeated layers before the build,
-``prefetch`` selects the columns ``apply_prefetch_discount`` scales.
+``highs.solve`` solves (LP first, then relax and fix or branch and bound: ``fixing``),
+``priced`` re-prices a solution and refits, ``options`` holds the solver's settings and
+``plan.build_plan`` turns the chosen columns into the user's Plan.
 """

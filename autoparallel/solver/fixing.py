@@ -3,7 +3,7 @@
 The solve (solver/highs.py) accepts an integral relaxation as it is. A fractional one
 comes here, in this order:
 
-1. **Branch on the counts** where the recompute counts (solver/recompute.py) are
+1. **Branch on the counts** where the recompute counts (problem/recompute.py) are
    fractional: a small tree over those few integer columns only; each node whose counts
    come out integral goes through 2 and 3 with its counts held.
 2. **The dive** (:func:`dive`): fix one node class at a time to the strategy the

@@ -11,10 +11,10 @@ import torch.fx as fx
 
 from autoparallel.cost.regions import region_cost_parts_us
 from autoparallel.cost.topology import Topology
+from autoparallel.problem.memory import estimate_memory, memory_model
+from autoparallel.problem.overlap import window_times
+from autoparallel.problem.recompute import recompute_counts
 from autoparallel.regions.local_map import region_backward_op
-from autoparallel.solver.memory import estimate_memory, memory_model
-from autoparallel.solver.overlap import window_times
-from autoparallel.solver.recompute import recompute_counts
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, Placements
 from autoparallel.types.plan import (
@@ -184,7 +184,7 @@ def build_plan(
 
 def _overlaps(problem: Problem, choice: dict) -> list[OverlapCost]:
     """Each overlap window's compute, overlappable comm and hidden part for the chosen
-    strategies: the hardware's fraction of the smaller of the two (solver/overlap.py)."""
+    strategies: the hardware's fraction of the smaller of the two (problem/overlap.py)."""
     found = []
     for window in problem.overlap_windows:
         compute, comm = window_times(problem, window, choice)

@@ -21,8 +21,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from autoparallel import _torch_internals as internals
+from autoparallel.graph.fx_args import tensor_input_nodes
 from autoparallel.strategies import view_rules
-from autoparallel.trace.fx_args import tensor_input_nodes
 from autoparallel.types.placements import OutputPlacements, Placements
 from autoparallel.types.strategies import Strategy
 

@@ -6,7 +6,7 @@ For each node, in graph order, the options come from the first source that answe
    their shape allows;
 2. ``getitem`` on a multi-output node: one option per distinct output of the producer;
    an op whose output values do not depend on its inputs (``new_zeros``, ``full``...,
-   trace/fill_ops.py): any Shard/Replicate combination, with no input edge;
+   graph/fill_ops.py): any Shard/Replicate combination, with no input edge;
 3. a ``local_map`` region's ops: the one strategy its placements state (strategies/regions.py);
    our own rules (e.g. the CPU flash-attention ops that DTensor does not cover);
 4. DTensor's strategy registry;
@@ -27,11 +27,11 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate
 
+from autoparallel.graph.fill_ops import is_fill
+from autoparallel.graph.fx_args import map_args, tensor_input_nodes
 from autoparallel.strategies import rules
 from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_strategies
 from autoparallel.strategies.regions import region_strategies
-from autoparallel.trace.fill_ops import is_fill
-from autoparallel.trace.fx_args import map_args, tensor_input_nodes
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi
 from autoparallel.types.strategies import NodeStrategies, Strategy, StrategySpace
@@ -98,7 +98,7 @@ def _strategies_for(
             answers[key] = (found, "getitem")
         return NodeStrategies(node, [producer], answers[key][0], "getitem")
 
-    if is_fill(node):  # no input edge: its values are never read (see trace/fill_ops.py)
+    if is_fill(node):  # no input edge: its values are never read (see graph/fill_ops.py)
         key = ("fill", tuple(value.shape))
         if key not in answers:
             placements = rules.all_shard_replicate(value.shape, mesh_shape)

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
-from autoparallel.trace.view_ops import passes_gradient_through
+from autoparallel.graph.view_ops import passes_gradient_through
 from autoparallel.types.graph import JointGraph
 
 aten = torch.ops.aten

@@ -1,6 +1,6 @@
 """How the runtime cuts gradient reductions into buckets and packs a bucket's members: shared
 by the runtime, which does it (runtime/coalesce.py, runtime/param_gathers.py), and the
-solver, which prices it (solver/buckets.py, solver/overlap.py)."""
+solver, which prices it (problem/buckets.py, problem/overlap.py)."""
 
 from __future__ import annotations
 

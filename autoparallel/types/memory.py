@@ -1,6 +1,6 @@
 """Memory per device as data: the optimizer's state rule, the linear model, the plan's estimate.
 
-``solver/memory.py`` builds a :class:`MemoryModel` from a Problem (which bytes each strategy
+``problem/memory.py`` builds a :class:`MemoryModel` from a Problem (which bytes each strategy
 and each move costs); the memory constraint turns it into rows and ``solver/plan.py``
 evaluates it for the chosen strategies into a :class:`MemoryEstimate` (``plan.memory``).
 """
@@ -112,7 +112,7 @@ class RecomputeClass:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """The per-device bytes of a training step, linear in the strategies (solver/memory.py).
+    """The per-device bytes of a training step, linear in the strategies (problem/memory.py).
 
     The peak is the larger of two moments:
 
@@ -123,7 +123,7 @@ class MemoryModel:
 
     With recomputed layers the start of the backward holds their saved activations less
     their ``inner`` ones, and a third moment appears: the backward of the first recomputed
-    layer it reaches, with that layer's inner activations back (see solver/recompute.py).
+    layer it reaches, with that layer's inner activations back (see problem/recompute.py).
     """
 
     optimizer: OptimizerState

@@ -133,7 +133,7 @@ class BucketCost:
 
 @dataclass(frozen=True)
 class OverlapCost:
-    """Communication the runtime runs while some compute runs (solver/overlap.py): ``comm``
+    """Communication the runtime runs while some compute runs (problem/overlap.py): ``comm``
     hides behind ``during``, by ``hidden_us`` = the hardware's overlap fraction times the
     smaller of the two."""
 
@@ -163,10 +163,10 @@ class Plan:
     overlaps: list[OverlapCost] = field(default_factory=list)
     # the Hardware's name the prices come from (a preset, or the profile's name)
     priced_on: str = ""
-    # predicted bytes per device of a training step (solver/memory.py)
+    # predicted bytes per device of a training step (problem/memory.py)
     memory: MemoryEstimate | None = None
     # numbered layers (``"layers.3"``) whose forward the backward recomputes instead of
-    # keeping its activations (activation checkpointing, trace/layer_regions.py)
+    # keeping its activations (activation checkpointing, graph/layers.py)
     recompute: tuple[str, ...] = ()
 
     def redistributions(self) -> list[tuple[str, ArgumentCost]]:

@@ -1,8 +1,8 @@
 """The optimization problem as data: columns, objective, rows and named user constraints.
 
-``solver/problem.py`` builds a :class:`Problem` from the earlier stages' outputs;
-``solver/constraints.py`` adds the user's constraint families to it; ``solver/highs.py``
-solves it. The variables and rows are described in ``solver/problem.py``.
+``problem/build.py`` builds a :class:`Problem` from the earlier stages' outputs;
+``problem/constraints.py`` adds the user's constraint families to it; ``solver/highs.py``
+solves it. The variables and rows are described in ``problem/build.py``.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class BucketMember:
     edge: int  # index into tables.edges
     pair: int  # index into that edge's pairs
     saving_us: float  # the pair's price minus the step's price without the latency
-    share_us: float  # its part of the bucket's latency, added back (see solver/buckets.py)
+    share_us: float  # its part of the bucket's latency, added back (see problem/buckets.py)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Bucket:
 
     ``candidates`` is how many edges could join it; each member pair carries
     ``latency_us / candidates`` of the latency in the objective, or ``latency_us / used``
-    once a plan used only ``used`` of them (see solver/buckets.py).
+    once a plan used only ``used`` of them (see problem/buckets.py).
     """
 
     kind: str  # "gradient_reduction" or "parameter_gather"
@@ -129,7 +129,7 @@ class OverlapWindow:
     """Communication the runtime runs on the collective threads while some compute runs on
     the host: the comm of ``comm_edges`` (every move on them, ``comm_row`` in the edge
     columns, a bucket's latency left out) hides behind the compute of ``compute_nodes``, up
-    to the hardware's overlap fraction of the smaller of the two (see solver/overlap.py)."""
+    to the hardware's overlap fraction of the smaller of the two (see problem/overlap.py)."""
 
     phase: str  # "forward" or "backward"
     comm: str  # what hides, e.g. "parameter gathers of layers.3"
@@ -154,19 +154,19 @@ class Problem:
     # per edge: "pairs" (edge_columns[e][k] is edge.pairs[k]) or "routes" (edge_columns[e][k]
     # is arc k of edge.routes.table); empty means all pairs
     edge_encodings: list[str] = field(default_factory=list)
-    # collectives the runtime coalesces, priced one latency per bucket (solver/buckets.py)
+    # collectives the runtime coalesces, priced one latency per bucket (problem/buckets.py)
     buckets: list[Bucket] = field(default_factory=list)
-    # communication priced as hidden behind compute (solver/overlap.py); fraction 0: none.
+    # communication priced as hidden behind compute (problem/overlap.py); fraction 0: none.
     # overlap_shares[w]: the part of window w's comm the objective takes off
     overlap_windows: list[OverlapWindow] = field(default_factory=list)
     overlap_shares: list[float] = field(default_factory=list)
     overlap_fraction: float = 0.0
-    # bytes per device of a step (solver/memory.py), built on first use for
+    # bytes per device of a step (problem/memory.py), built on first use for
     # ``memory_optimizer``'s state; the memory constraint's budget once one is added
     memory: MemoryModel | None = None
     memory_optimizer: str | float = "adamw"
     memory_budget: float | None = None
-    # "auto": the memory constraint may recompute layers (solver/recompute.py); "off"
+    # "auto": the memory constraint may recompute layers (problem/recompute.py); "off"
     activation_checkpointing: str = "off"
     # (edge, pair) -> objective saving of each bucket member, indexed by set_buckets
     _savings: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)

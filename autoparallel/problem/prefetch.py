@@ -11,7 +11,7 @@ import numpy as np
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from autoparallel.trace.view_ops import parameter_views
+from autoparallel.graph.view_ops import parameter_views
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, is_multi
 from autoparallel.types.problem import Problem

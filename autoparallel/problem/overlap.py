@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from autoparallel.trace.view_ops import parameter_views
+from autoparallel.graph.view_ops import parameter_views
 from autoparallel.types.bucketing import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, capped_buckets
 from autoparallel.types.graph import layer_of
 from autoparallel.types.problem import OverlapWindow, Problem, Row
@@ -272,7 +272,7 @@ def _compute_row(problem: Problem, nodes: tuple[fx.Node, ...]) -> Row:
 def _comm_row(problem: Problem, edges: tuple[int, ...]) -> Row:
     """sum over ``edges`` of every move's comm times its column: a bucket member at its
     bucketed price without the bucket's latency, which stays exposed (the shares of it
-    change with the plan, solver/buckets.py, and the rows must not)."""
+    change with the plan, problem/buckets.py, and the rows must not)."""
     columns, values = [], []
     for index in edges:
         moves = problem.edge_moves(index)

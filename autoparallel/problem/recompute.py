@@ -2,7 +2,7 @@
 recompute, in the same MIP as the placements.
 
 Recomputing a layer frees its inner activations (the saved values that do not leave it,
-``trace/layer_regions.py``) until its backward and costs its forward compute again there.
+``graph/layers.py``) until its backward and costs its forward compute again there.
 Both depend on the layer's strategies, so "recompute k of the N layers of class C" is the
 product of an integer and the strategy choice. It stays linear through a disaggregated
 copy of the class's strategy columns: for every node n of the class's representative layer
@@ -35,13 +35,13 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch.fx as fx
 
-from autoparallel.trace.layer_regions import (
+from autoparallel.graph.layers import (
     draws_random_numbers,
     forward_layers,
     layer_members,
-    recompute_region,
+    layer_recompute,
 )
-from autoparallel.trace.view_ops import storage_root
+from autoparallel.graph.view_ops import storage_root
 from autoparallel.types.memory import NodeBytes, RecomputeClass
 from autoparallel.types.problem import MIB, AuxiliaryColumns, Problem, Row
 
@@ -68,7 +68,7 @@ def recompute_classes(
     for layer, nodes in members.items():
         if any(draws_random_numbers(node) for node in nodes):
             continue
-        region = recompute_region(joint, labels, layer, saved, members)
+        region = layer_recompute(joint, labels, layer, saved, members)
         inner = tuple(
             part
             for root, part in by_root.items()

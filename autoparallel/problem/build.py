@@ -31,9 +31,9 @@ import logging
 import numpy as np
 import torch.fx as fx
 
-from autoparallel.solver.buckets import add_buckets
-from autoparallel.solver.folding import no_folding
-from autoparallel.solver.overlap import add_overlap
+from autoparallel.problem.buckets import add_buckets
+from autoparallel.problem.folding import no_folding
+from autoparallel.problem.overlap import add_overlap
 from autoparallel.types.costs import CostTables, EdgeCost
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.problem import Folding, Problem, Row
@@ -57,10 +57,10 @@ def build_problem(
     one set of x columns, edges whose endpoints fold alike share their y (f) columns, and a
     shared column's cost is the sum over the members it stands for. ``use_routes=False``
     prices every edge on pairs (same optimum, larger problem). ``price_buckets`` prices the
-    collectives the runtime coalesces as their buckets (solver/buckets.py); False prices
+    collectives the runtime coalesces as their buckets (problem/buckets.py); False prices
     each on its own, latency included. ``price_overlap`` charges the communication the
     runtime overlaps with compute only for the part left exposed, at the hardware's
-    ``overlap_fraction`` (solver/overlap.py); False charges all of it.
+    ``overlap_fraction`` (problem/overlap.py); False charges all of it.
 
     Built with numpy per distinct price list (lists are shared between repeated layers), so
     the work grows with the number of edges, not with their pairs: an 80-layer model on a

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from runtime_cases import LR, STEPS, _attention_output, _learn_from, _local_rows
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel._testing.harness import full_params
 from autoparallel.types.placements import placement_str
+from helpers.runtime_cases import LR, STEPS, _attention_output, _learn_from, _local_rows
 
 
 def train_hf_family(

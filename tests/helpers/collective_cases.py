@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from runtime_cases import build
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.types.placements import placement_str
+from helpers.runtime_cases import build
 
 
 def plan_is_shared(rank: int, world_size: int) -> dict[str, Any]:

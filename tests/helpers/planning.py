@@ -56,7 +56,7 @@ __all__ = ["Partial", "Replicate", "Shard", "batch_sharded", "plan_model", "tran
 def budget_only_recomputing_meets(optimizer) -> float:
     """A peak-memory budget (bytes) below what any plan that saves every activation needs
     (95 % of that smallest peak's lower bound), for ``optimizer``'s problem with AdamW."""
-    from autoparallel.solver.memory import build_memory_model, smallest_peak
+    from autoparallel.problem.memory import build_memory_model, smallest_peak
 
     return 0.95 * smallest_peak(build_memory_model(optimizer.problem, "adamw"))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from runtime_cases import LR, STEPS, _learn_from, _local_rows
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -14,6 +13,7 @@ from autoparallel import AutoParallel
 from autoparallel._testing.harness import full_params
 from autoparallel.models.titan_like import TitanArgs, TitanLlama
 from autoparallel.types.placements import placement_str
+from helpers.runtime_cases import LR, STEPS, _learn_from, _local_rows
 
 SEED = 0
 

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from planning import budget_only_recomputing_meets
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -28,6 +27,7 @@ from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.models.moe import MOE_TINY, MoETransformer
 from autoparallel.regions.local_map import region_forward_op
 from autoparallel.types.placements import placement_str
+from helpers.planning import budget_only_recomputing_meets
 
 LLAMA = llama_config("tiny", dim=128, ffn_hidden=384, vocab_size=512)
 # deep enough that its graph is built from 3- and 4-layer traces (repeated_layers.py)

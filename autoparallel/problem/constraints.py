@@ -21,8 +21,8 @@ import torch.fx as fx
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Partial
 
+from autoparallel.graph.view_ops import passes_gradient_through
 from autoparallel.trace.sharding_constraint import constraint_nodes, requested_placements
-from autoparallel.trace.view_ops import passes_gradient_through
 from autoparallel.types.placements import OutputPlacements, is_multi, placement_str
 from autoparallel.types.problem import MIB, Problem, Row, UserConstraint
 from autoparallel.types.tensors import local_shape

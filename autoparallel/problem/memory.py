@@ -39,15 +39,15 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autoparallel.solver.constraints import distinct_param_nodes
-from autoparallel.solver.recompute import (
+from autoparallel.graph.layers import forward_layers
+from autoparallel.graph.view_ops import parameter_views, storage_root
+from autoparallel.problem.constraints import distinct_param_nodes
+from autoparallel.problem.recompute import (
     recompute_classes,
     recompute_columns,
     recompute_moment_parts,
     recomputed_layers,
 )
-from autoparallel.trace.layer_regions import forward_layers
-from autoparallel.trace.view_ops import parameter_views, storage_root
 from autoparallel.types.graph import JointGraph, layer_of
 from autoparallel.types.memory import (
     GatherGroup,
@@ -80,7 +80,7 @@ def build_memory_model(
     """The bytes each strategy and move of ``problem`` costs per device (module doc), with
     ``optimizer``'s state (a name of ``types.memory.OPTIMIZERS`` or bytes per parameter
     element; ValueError otherwise); with ``recompute``, the layers activation
-    checkpointing may recompute (solver/recompute.py)."""
+    checkpointing may recompute (problem/recompute.py)."""
     state = optimizer_state(optimizer)
     mesh_shape = problem.space.mesh_shape
     parameters, gradients, states, temporaries = [], [], [], []
@@ -338,7 +338,7 @@ def estimate_memory(
         "optimizer step": resident + gradients + temporaries,
     }
     used = [c for c in model.recompute if counts.get(c.label, 0) > 0]
-    if used:  # the backward of a recomputed layer (solver/recompute.py)
+    if used:  # the backward of a recomputed layer (problem/recompute.py)
         freed = sum(len(c.layers) * inner[c.label] for c in model.recompute)
         back = max(inner[c.label] for c in used)
         moments["backward of a recomputed layer"] = (

@@ -2,10 +2,10 @@
 
 A forward op belongs to the last numbered layer (``layers.3``) whose parameters the forward
 read at or before it, in graph order; ops before the first layer belong to no layer (``""``).
-The memory model splits saved activations by these regions, and activation checkpointing
+The memory model splits saved activations by layer, and activation checkpointing
 recomputes them: a recomputed layer's forward ops run again inside the backward, just before
 the first backward op that reads one of their values, so the forward keeps only what the
-region reads from outside (the layer's input, its parameters) and what leaves it (its output,
+layer reads from outside (the layer's input, its parameters) and what leaves it (its output,
 read by the next layer) instead of every intermediate value.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autoparallel.trace.view_ops import parameter_views
+from autoparallel.graph.view_ops import parameter_views
 from autoparallel.types.graph import JointGraph, layer_of
 
 
@@ -40,7 +40,7 @@ def forward_layers(joint: JointGraph) -> dict[fx.Node, str]:
 
 
 @dataclass(frozen=True)
-class RecomputeRegion:
+class LayerRecompute:
     """What recomputing one layer changes in the two phases.
 
     ``nodes``: the layer's forward ops that run again in the backward, in graph order;
@@ -83,13 +83,13 @@ def layer_outputs(
     }
 
 
-def recompute_region(
+def layer_recompute(
     joint: JointGraph,
     layers: dict[fx.Node, str],
     layer: str,
     saved: Collection[fx.Node],
     members: dict[str, list[fx.Node]] | None = None,
-) -> RecomputeRegion:
+) -> LayerRecompute:
     """The region recomputing ``layer`` runs, given the values ``saved`` for the backward
     (``members``: ``layer_members(layers)``, when the caller has it). Raises RecomputeError
     for a layer that is not in the graph or draws random numbers in its forward
@@ -119,7 +119,7 @@ def recompute_region(
             "recomputing it in the backward would draw other ones; leave it saved"
         )
     inputs = {a for node in nodes for a in node.all_input_nodes if a not in nodes}
-    return RecomputeRegion(
+    return LayerRecompute(
         layer,
         tuple(node for node in members[layer] if node in nodes),
         frozenset(dropped),

@@ -1,0 +1,1 @@
+"""Shared helpers of the test modules: planning shortcuts and the multi-rank cases."""
