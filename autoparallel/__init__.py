@@ -14,6 +14,7 @@ from autoparallel.runtime import (
 from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError
 from autoparallel.runtime.init import InitError, full_value_init
+from autoparallel.runtime.launch import fake_mesh
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.trace.errors import TraceError
 from autoparallel.trace.sharding_constraint import with_sharding_constraint
@@ -23,6 +24,7 @@ from autoparallel.types.plan import Plan
 __all__ = [
     "AutoParallel",
     "auto_parallel",
+    "fake_mesh",
     "autoparallel_backend",
     "with_sharding_constraint",
     "local_map",

@@ -32,6 +32,7 @@ from autoparallel.strategies.space import build_strategy_space
 from autoparallel.trace.export import trace_device, trace_joint
 from autoparallel.trace.mixed_precision import check_policy
 from autoparallel.types.graph import JointGraph
+from autoparallel.types.kinds import ActivationCheckpointing
 from autoparallel.types.placements import check_shard_dims, validate_placements
 from autoparallel.types.plan import Plan
 
@@ -193,7 +194,7 @@ class AutoParallel:
         self,
         budget_bytes: float,
         optimizer: str | float = "adamw",
-        activation_checkpointing: str = "off",
+        activation_checkpointing: ActivationCheckpointing = "off",
     ) -> str:
         """Keep the predicted peak memory per device of a whole training step within
         ``budget_bytes``: parameters, gradients, ``optimizer``'s state ("adamw", "adam",
@@ -353,7 +354,8 @@ def auto_parallel(
     """
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.placement_types import Placement
-    from torch.utils._pytree import tree_flatten
+
+    from autoparallel._torch_internals import tree_flatten
 
     raw = sample_inputs() if callable(sample_inputs) else sample_inputs
     leaves, spec = tree_flatten(raw)

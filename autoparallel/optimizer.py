@@ -35,6 +35,7 @@ from autoparallel.problem.prefetch import prefetchable_columns
 from autoparallel.report.diff import PlanDiff, diff_plan_json
 from autoparallel.solver.highs import InfeasibleConstraintsError, SolverOptions, solve
 from autoparallel.solver.plan import build_plan
+from autoparallel.types.kinds import ActivationCheckpointing
 from autoparallel.types.placements import Placements, validate_placements
 from autoparallel.types.plan import Plan, Solution
 from autoparallel.types.problem import Problem
@@ -109,7 +110,7 @@ class ShardingOptimizer:
         self,
         budget_bytes: float,
         optimizer: str | float = "adamw",
-        activation_checkpointing: str = "off",
+        activation_checkpointing: ActivationCheckpointing = "off",
     ) -> str:
         """Keep the predicted peak memory per device of a training step within
         ``budget_bytes`` (parameters, gradients, optimizer state, saved activations and

@@ -30,19 +30,16 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import resource
 import time
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autoparallel import AutoParallel
+from autoparallel import AutoParallel, fake_mesh
 from autoparallel.cli.common import parse_bytes
 from autoparallel.models import Llama, llama_config
 from autoparallel.models.moe import MoETransformer, moe_config
@@ -184,11 +181,8 @@ def main() -> None:
         logging.getLogger("autoparallel").setLevel(logging.DEBUG)
 
     shape = tuple(int(s) for s in args.mesh.split("x"))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
     moe = args.model in MOE_MODELS
-    mesh = init_device_mesh(
-        "cpu", shape, mesh_dim_names=MOE_MESH_NAMES[len(shape)] if moe else None
-    )
+    mesh = fake_mesh(shape, MOE_MESH_NAMES[len(shape)] if moe else None)
     overrides = {} if args.layers is None else {"n_layers": args.layers}
     with torch.device("meta"):
         if moe:

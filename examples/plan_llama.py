@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autoparallel import AutoParallel
+from autoparallel import AutoParallel, fake_mesh
 from autoparallel.models import Llama, llama_config
 from autoparallel.report.summary import parameter_lines, solver_lines, totals_lines
 
@@ -42,8 +39,7 @@ def main() -> None:
 
     shape = tuple(int(s) for s in args.mesh.split("x"))
     names = ("dp", "tp", "cp")[: len(shape)] if len(shape) <= 3 else None
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = fake_mesh(shape, names)  # one process plans for every rank
 
     config = llama_config(args.model, n_layers=args.layers)
     with torch.device("meta"):

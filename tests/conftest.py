@@ -3,15 +3,12 @@ ranks shared by the multi-rank checks of one test module."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel.runtime.launch import RankPool
+from autoparallel.runtime.launch import fake_mesh as mesh_on_fake_group
 
 # the runtime cases' checks assert in a helper module: let pytest explain their failures
 pytest.register_assert_rewrite("helpers")
@@ -23,11 +20,8 @@ def fake_mesh():
     created = []
 
     def make(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
         created.append(True)
-        return init_device_mesh("cpu", shape, mesh_dim_names=names)
+        return mesh_on_fake_group(shape, names)
 
     yield make
     if dist.is_initialized():

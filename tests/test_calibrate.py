@@ -18,7 +18,8 @@ from torch.distributed.tensor import Partial
 from autoparallel import AutoParallel
 from autoparallel.calibrate import measure
 from autoparallel.calibrate.fit import CollectiveSample, fit_collective
-from autoparallel.calibrate.run import CalibrationSettings, _calibrate_rank
+from autoparallel.calibrate.run import _calibrate_rank
+from autoparallel.calibrate.settings import CalibrationSettings
 from autoparallel.cli import main
 from autoparallel.cost import all_gather_us, all_reduce_us, reduce_scatter_us
 from autoparallel.cost.compute import compute_cost_us, priced_by_table

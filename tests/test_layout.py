@@ -1,7 +1,12 @@
-"""The package's layout contract: no import cycle, and the types between stages import no stage.
+"""The package's layout contract, read from the source with ``ast`` (nothing is imported).
 
-Read from the source with ``ast`` (nothing is imported), so a cycle that only a function-local
-import hides still counts; imports under ``if TYPE_CHECKING:`` are annotations and do not.
+- no import cycle, counting function-local imports and imports under ``if TYPE_CHECKING:``;
+- the types between stages (``types/``) import nothing of the package;
+- the pipeline stages are folders, in order, and nothing else sits at the top level;
+- private torch modules (a dotted name with a ``_part``) are named only in ``_torch_internals/``
+  (and in tests, which check those wrappers against the objects they wrap);
+- no library module imports ``_testing`` (helpers for tests and benchmarks only);
+- no Python file of the repository passes 600 lines (past that a file holds two ideas).
 """
 
 from __future__ import annotations
@@ -9,7 +14,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "autoparallel"
+REPOSITORY = Path(__file__).resolve().parent.parent
+PACKAGE = REPOSITORY / "autoparallel"
+PIPELINE = ("trace", "graph", "strategies", "cost", "problem", "solver", "runtime")
+MAX_LINES = 600
 # modules that may sit at the package's top level: orchestration, the facade above the
 # solver, the questions that need a Problem, and the wrapper of torch's private APIs
 TOP_LEVEL = {"__init__", "api", "optimizer", "explain", "_torch_internals"}
@@ -24,22 +32,11 @@ def _modules() -> dict[str, Path]:
     return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imported_names(tree: ast.AST) -> list[str]:
     """Every ``autoparallel...`` module name or ``module.attribute`` an import statement names."""
     names: list[str] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -107,7 +104,10 @@ def test_the_types_between_stages_import_no_stage():
     for name, targets in graph.items():
         if name.startswith("autoparallel.types"):
             stages = sorted(t for t in targets if not t.startswith("autoparallel.types"))
-            assert not stages, f"{name} imports {stages}: types must import only other types"
+            assert not stages, (
+                f"{name} imports {stages}: types must import only other types "
+                "(even under TYPE_CHECKING; name what a type needs with a Protocol)"
+            )
 
 
 def test_the_solver_imports_no_reader_of_its_plan():
@@ -128,10 +128,102 @@ def test_each_stage_has_its_own_folder():
     flat = sorted(path.stem for path in PACKAGE.glob("*.py") if path.stem not in TOP_LEVEL)
     assert not flat, (
         f"modules at the top of autoparallel/: {flat}; put each in the folder of its stage "
-        "(trace/, strategies/, cost/, solver/, runtime/, files/, report/, cli/) or types/"
+        f"({', '.join(s + '/' for s in PIPELINE)}, files/, report/, cli/) or types/"
     )
 
 
 def test_the_cycle_check_sees_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _python_files(
+    folders: tuple[str, ...] = ("autoparallel", "tests", "benchmarks", "examples"),
+) -> list[Path]:
+    return sorted(path for folder in folders for path in (REPOSITORY / folder).rglob("*.py"))
+
+
+def _private_torch_names(tree: ast.AST) -> list[str]:
+    """Dotted torch names with a private part (``torch.utils._pytree``, ``torch._ops.X``)
+    that a module imports or reads; ``torch.ops.<namespace>`` is the public op registry."""
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        if parts[0] != "torch" or parts[1:2] == ["ops"]:
+            return False
+        return any(part.startswith("_") and not part.startswith("__") for part in parts[1:])
+
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names if private(alias.name))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            found.extend(name for name in names if private(name))
+        elif isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            if dotted is not None and private(dotted):
+                found.append(dotted)
+    return found
+
+
+def _dotted(node: ast.Attribute) -> str | None:
+    parts: list[str] = []
+    current: ast.AST = node
+    while isinstance(current, ast.Attribute):
+        parts.append(current.attr)
+        current = current.value
+    if not isinstance(current, ast.Name):
+        return None
+    return ".".join([current.id, *reversed(parts)])
+
+
+def test_private_torch_apis_are_named_only_in_torch_internals():
+    internals = PACKAGE / "_torch_internals"
+    offenders = {
+        str(path.relative_to(REPOSITORY)): sorted(set(names))
+        for path in _python_files(("autoparallel", "benchmarks", "examples"))
+        if internals not in path.parents
+        and (names := _private_torch_names(ast.parse(path.read_text())))
+    }
+    assert not offenders, (
+        f"private torch APIs outside autoparallel/_torch_internals/: {offenders}; wrap each "
+        "there with a comment saying why no public API does"
+    )
+
+
+def test_the_private_torch_check_sees_private_names():
+    tree = ast.parse(
+        "import torch.utils._pytree\nfrom torch._ops import OpOverload\n"
+        "x = torch.distributed._functional_collectives.wait_tensor\ny = torch.ops._c10d.x"
+    )
+    assert _private_torch_names(tree) == [
+        "torch.utils._pytree",
+        "torch._ops.OpOverload",
+        "torch.distributed._functional_collectives.wait_tensor",
+        "torch.distributed._functional_collectives",
+    ]
+
+
+def test_no_library_module_imports_the_test_helpers():
+    wrong = {
+        name: sorted(t for t in targets if t.startswith("autoparallel._testing"))
+        for name, targets in _import_graph().items()
+        if not name.startswith("autoparallel._testing")
+    }
+    wrong = {name: targets for name, targets in wrong.items() if targets}
+    assert not wrong, f"library modules importing autoparallel._testing: {wrong}"
+
+
+def test_the_pipeline_stages_are_folders():
+    missing = [stage for stage in PIPELINE if not (PACKAGE / stage / "__init__.py").is_file()]
+    assert not missing, f"pipeline stages without their folder: {missing}"
+
+
+def test_no_python_file_passes_the_line_limit():
+    long = {
+        str(path.relative_to(REPOSITORY)): count
+        for path in _python_files()
+        if (count := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"files over {MAX_LINES} lines (split each by idea): {long}"

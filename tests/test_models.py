@@ -374,13 +374,12 @@ def test_init_weights_on_dtensor_matches_unsharded() -> None:
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed and no existing process group")
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    from autoparallel import fake_mesh
+
+    mesh = fake_mesh((2,), rank=1)
     try:
-        mesh = init_device_mesh("cpu", (2,))
         model = MLP(8, 16)
         for module in (model.w1, model.w2):
             for name, param in list(module.named_parameters()):

@@ -4,6 +4,6 @@
 ``measure_device.py`` the device's matmul, memory bandwidth, per-op cost, optimizer step and
 the runtime's own work, on the ranks of a live process group; ``fit.py`` turns the timings
 into the ``Hardware`` figures (one latency-bandwidth fit per collective and link class);
-``run.py`` runs both on a launched group (torchrun) or on N spawned gloo ranks (the device's
+``settings.py`` says what to measure; ``run.py`` runs both on a launched group (torchrun) or on N spawned gloo ranks (the device's
 steps in ``run_device.py``) and writes the profile (``cost/profile.py``).
 """

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autoparallel._torch_internals import OpOverload
 from autoparallel.cost.collectives import RING_PASSES
 from autoparallel.cost.compute import compute_cost_us, is_free_op, priced_by_table
 from autoparallel.cost.hardware import CollectiveFit, Hardware
@@ -192,7 +193,7 @@ def block_charge_us(graph: fx.GraphModule, hardware: Hardware) -> tuple[float, i
     whose timings include that cost)."""
     charged, ops = 0.0, 0
     for node in graph.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
         args, kwargs = map_args(_tensor_info, (node.args, dict(node.kwargs)))
         charged += compute_cost_us(node.target, args, kwargs, _tensor_info(node), hardware)

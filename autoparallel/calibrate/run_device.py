@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -32,13 +32,9 @@ from autoparallel.calibrate.fit import (
     matmul_half_dim,
     throughput,
 )
+from autoparallel.calibrate.settings import KIB, MIB, CalibrationSettings
 from autoparallel.cost.hardware import CPU, Hardware
 from autoparallel.cost.matmul_table import MatmulTable
-
-if TYPE_CHECKING:  # annotations only: run.py imports this module
-    from autoparallel.calibrate.run import CalibrationSettings
-
-KIB, MIB = 1 << 10, 1 << 20
 
 CPU_MATMUL_GRID = (16, 64, 256, 1024)
 """The matmul table's dimensions on a CPU host: 64 shapes in about 5 s on the 2-core VM.

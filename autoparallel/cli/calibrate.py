@@ -70,7 +70,8 @@ def add_commands(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``calibrate``; returns the exit status (bad values raise UsageError)."""
-    from autoparallel.calibrate.run import CalibrationSettings, calibrate_local
+    from autoparallel.calibrate.run import calibrate_local
+    from autoparallel.calibrate.settings import CalibrationSettings
 
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.pin_cores and args.nproc is None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -157,17 +156,12 @@ def _batch_constraints(nodes: Sequence[Any], batch: int, ndim: int) -> list[Any]
 def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
     """Plan on a fake process group; returns (plan JSON dict, Plan). Destroys the group after."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autoparallel import AutoParallel
+    from autoparallel import AutoParallel, fake_mesh
 
     model, input_fn = build_model(request)
-    dist.init_process_group(
-        "fake", store=FakeStore(), rank=0, world_size=math.prod(request.mesh_shape)
-    )
+    mesh = fake_mesh(request.mesh_shape, request.mesh_names)
     try:
-        mesh = init_device_mesh("cpu", request.mesh_shape, mesh_dim_names=request.mesh_names)
         start = time.perf_counter()
         with AutoParallel(
             model,

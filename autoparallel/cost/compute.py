@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from autoparallel._torch_internals import OpOverload, tree_flatten, tree_map
 from autoparallel.cost.hardware import Hardware
 from autoparallel.cost.matmul_table import MatmulTable
 from autoparallel.graph.view_ops import is_view_op as is_free_op
@@ -209,7 +209,7 @@ def _op_us(roofline_us: float, hardware: Hardware) -> float:
 
 
 def compute_cost_us(
-    op: torch._ops.OpOverload, args: tuple, kwargs: dict, output: Any, hardware: Hardware
+    op: OpOverload, args: tuple, kwargs: dict, output: Any, hardware: Hardware
 ) -> float:
     """Time (us) of ``op`` on one rank: its roofline time plus or floored at the launch cost.
 

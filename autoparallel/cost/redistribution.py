@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import numpy as np
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from autoparallel._torch_internals import StridedShard
 from autoparallel.cost.collectives import (
     all_gather_us,
     all_reduce_us,
@@ -56,11 +57,6 @@ from autoparallel.cost.routes import MAX_ROUTE_STATES, RouteTable
 from autoparallel.cost.topology import Topology
 from autoparallel.types.placements import is_multi
 from autoparallel.types.tensors import TensorInfo, local_info
-
-try:  # Strided shards (FSDP+TP) are shard-like but are not Shard subclasses in torch 2.13.
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover - depends on the torch version
-    _StridedShard = Shard  # type: ignore[misc,assignment]
 
 __all__ = [
     "TRANSITION_COST_US",
@@ -87,7 +83,7 @@ _PHASE = {
 
 
 def _is_shard(p: Placement) -> bool:
-    return isinstance(p, (Shard, _StridedShard))
+    return isinstance(p, (Shard, StridedShard))  # strided shards (FSDP+TP) are not Shard subclasses
 
 
 def _normalize(p: Placement, ndim: int) -> Placement:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autoparallel._torch_internals import OpOverload
 from autoparallel.cost.compute import compute_cost_us
 from autoparallel.cost.redistribution import PairPricer
 from autoparallel.cost.regions import region_cost_us
@@ -219,7 +220,7 @@ def _compute_costs(ns: NodeStrategies, topology: Topology, price_cache: PriceCac
                 region_cost_us(layout, key[2], topology) for layout in region.layouts
             ]
         return price_cache.compute[key]
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return [0.0] * len(ns.strategies)
     node_key = (
         node.target,

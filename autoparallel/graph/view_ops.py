@@ -11,9 +11,9 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-import torch
 import torch.fx as fx
 
+from autoparallel._torch_internals import OpOverload
 from autoparallel.types.graph import JointGraph
 
 # ATen packets that only produce views or read metadata; ``op.is_view`` catches the rest
@@ -61,7 +61,7 @@ def is_view_node(node: fx.Node) -> bool:
 
 def passes_gradient_through(node: fx.Node) -> bool:
     """A view or a value copy (cast, clone): the gradient's value is unchanged by it."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return False
     return is_view_node(node) or _aten_name(node.target) in _VALUE_COPIES
 

@@ -1,9 +1,10 @@
 """A DeepSeek-style mixture-of-experts decoder whose token dispatch is a ``local_map`` region.
 
-Each block is pre-norm attention (the LLaMA one) followed by a mixture of experts: a router
-picks ``top_k`` of ``num_experts`` routed experts per token, every token also goes through a
-shared expert, and the routed experts are stacked weights ``[num_experts, ...]`` run as one
-grouped matmul. Which expert a token goes to depends on the data, so no sharding rule can
+The skeleton (embedding, pre-norm attention, the stack, ``init_weights``) is
+:mod:`autoparallel.models.decoder`'s, shared with LLaMA; this module adds the second half of
+each block, a mixture of experts: a router picks ``top_k`` of ``num_experts`` routed experts
+per token, every token also goes through a shared expert, and the routed experts are stacked
+weights ``[num_experts, ...]`` run as one grouped matmul. Which expert a token goes to depends on the data, so no sharding rule can
 derive the dispatch: it is written for local tensors in :func:`routed_experts` and wrapped
 with :func:`autoparallel.local_map`, with these placements on the mesh being planned for:
 
@@ -35,56 +36,43 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autoparallel import _torch_internals as internals
-from autoparallel.models.llama import (
-    INIT_STD,
-    Attention,
+from autoparallel.models.decoder import (
+    Decoder,
+    DecoderBlock,
+    DecoderConfig,
     FeedForward,
-    LlamaConfig,
     RMSNorm,
-    rotary_tables,
+    fill_normal_,
 )
-from autoparallel.models.mlp import copy_full_, seeded_generator
 from autoparallel.regions import collectives, current_mesh, local_map
 
 __all__ = ["MOE_16B", "MOE_TINY", "MoEConfig", "MoETransformer", "moe_config", "routed_experts"]
 
 
 @dataclass(frozen=True)
-class MoEConfig:
-    """Hyper-parameters of the mixture-of-experts decoder (every block has an MoE)."""
+class MoEConfig(DecoderConfig):
+    """Hyper-parameters of the mixture-of-experts decoder (every block has an MoE).
+
+    The shared fields default to DeepSeek-V2-Lite-like shapes; ``n_kv_heads`` None stays
+    None and means ``n_heads`` (``kv_heads``).
+    """
 
     dim: int = 2048
     n_layers: int = 27
     n_heads: int = 16
-    n_kv_heads: int | None = None
     vocab_size: int = 102400
+    norm_eps: float = 1e-6
+    max_seq_len: int = 4096
     num_experts: int = 64
     top_k: int = 6
     expert_hidden: int = 1408
     shared_hidden: int = 2816
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_seq_len: int = 4096
     ep_dim: str = "ep"  # the mesh dim the routed experts are sharded over
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        self.attention_config()  # validates the attention shapes
-
-    def attention_config(self) -> LlamaConfig:
-        """The attention's hyper-parameters, as the LLaMA attention reads them."""
-        return LlamaConfig(
-            dim=self.dim,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            vocab_size=self.vocab_size,
-            ffn_hidden=self.shared_hidden,
-            norm_eps=self.norm_eps,
-            rope_theta=self.rope_theta,
-            max_seq_len=self.max_seq_len,
-        )
+        super().__post_init__()
 
 
 MOE_TINY = MoEConfig(
@@ -213,71 +201,33 @@ class MoE(nn.Module):
         )
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(DecoderBlock):
     """Pre-norm residual block: attention then mixture of experts."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config.attention_config())
+        super().__init__(config)
         self.moe_norm = RMSNorm(config.dim, config.norm_eps)
         self.moe = MoE(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.moe(self.moe_norm(h))
+    def feed_forward_half(self, h: torch.Tensor) -> torch.Tensor:
+        """``moe(moe_norm(h))``."""
+        return self.moe(self.moe_norm(h))
 
 
-class MoETransformer(nn.Module):
+class MoETransformer(Decoder):
     """``forward(tokens[batch, seq]) -> logits[batch, seq, vocab]``; parameters are left
     uninitialized by the constructor: call ``init_weights`` (also after ``to_empty``)."""
 
-    rope_cos: torch.Tensor
-    rope_sin: torch.Tensor
+    config: MoEConfig
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(MoEBlock(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        head_dim = config.dim // config.n_heads
-        cos, sin = rotary_tables(head_dim, config.max_seq_len, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        super().__init__(config, MoEBlock)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h))
-
-    def init_weights(self, seed: int | None = None) -> None:
-        """N(0, INIT_STD^2) for every matrix and expert stack (drawn on CPU from ``seed``, in
-        ``self.modules()`` order), ones for the norms; the rotary tables recomputed."""
-        generator = seeded_generator(seed)
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.reset_parameters()
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                _normal_(module.weight, generator)
-            elif isinstance(module, GroupedExperts):
-                for weight in (module.w1, module.w2, module.w3):
-                    _normal_(weight, generator)
-        head_dim = self.config.dim // self.config.n_heads
-        cos, sin = rotary_tables(
-            head_dim, self.config.max_seq_len, self.config.rope_theta, device="cpu"
-        )
-        copy_full_(self.rope_cos, cos)
-        copy_full_(self.rope_sin, sin)
-
-
-def _normal_(tensor: torch.Tensor, generator: torch.Generator | None) -> None:
-    values = torch.empty(tensor.shape, dtype=torch.float32, device="cpu")
-    values.normal_(0.0, INIT_STD, generator=generator)
-    copy_full_(tensor, values)
+    def init_module(self, module: nn.Module, generator: torch.Generator | None) -> None:
+        """The routed experts' stacks get N(0, INIT_STD^2) (``w1``, ``w2``, ``w3`` in turn);
+        everything else as :meth:`Decoder.init_module` does."""
+        if isinstance(module, GroupedExperts):
+            for weight in (module.w1, module.w2, module.w3):
+                fill_normal_(weight, generator)
+        else:
+            super().init_module(module, generator)

@@ -40,9 +40,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
-from torch.utils._pytree import tree_flatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel._torch_internals import tree_flatten
 from autoparallel.regions.context import RegionScope, active_scope, body_context, scope_of
 from autoparallel.regions.layouts import (
     declared_str,

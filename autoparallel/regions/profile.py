@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel import _torch_internals as internals
+from autoparallel._torch_internals import tree_flatten, tree_map
 from autoparallel.regions.context import body_context
 from autoparallel.regions.local_map import LocalMapError
 from autoparallel.types.regions import (

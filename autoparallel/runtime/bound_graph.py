@@ -3,9 +3,9 @@
 The eager runtime runs each phase's local graph (runtime/local_graph.py) every step, and on
 a host-bound step (a CPU, a small model) its cost is the Python around each op: FX's
 generated code looks every op up through ``torch.ops.<namespace>.<op>.<overload>`` and
-calls it through ``OpOverload.__call__``, a Python frame around the dispatcher entry. Here
+calls it through ``internals.OpOverload.__call__``, a Python frame around the dispatcher entry. Here
 the generated source calls each op's dispatcher entry by a global name bound when the
-function is made (same arguments, same kernels: ``OpOverload.__call__`` only forwards to
+function is made (same arguments, same kernels: ``internals.OpOverload.__call__`` only forwards to
 it). Measured: a 100-op graph of small ops 226 -> 164 us a call; the tiny LLaMA's free plan
 on 2 gloo ranks 8.8 -> 7.8 ms a step (both variants timed interleaved in one run).
 
@@ -67,7 +67,7 @@ def _bind(match: re.Match, scope: dict[str, Any], kernels: dict[str, str]) -> st
     if name is None:
         namespace, op_name, overload = match.groups()
         op = getattr(getattr(getattr(torch.ops, namespace), op_name), overload)
-        if not isinstance(op, torch._ops.OpOverload):
+        if not isinstance(op, internals.OpOverload):
             raise AttributeError(f"{path} is not an op overload")
         name = f"_kernel_{len(kernels)}_{namespace}_{op_name}_{overload}"
         scope[name] = internals.op_kernel(op)

@@ -36,9 +36,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.utils._pytree import tree_map
 
 from autoparallel import _torch_internals as internals
+from autoparallel._torch_internals import tree_map
 from autoparallel.graph.fill_ops import fill_value, is_fill
 from autoparallel.graph.fx_args import tensor_input_nodes
 from autoparallel.graph.layers import forward_layers, layer_members, layer_recompute

@@ -4,7 +4,8 @@
 ``world_size`` fresh spawned processes joined by a gloo process group and returns what each
 rank returned, in rank order. A :class:`RankPool` does the same on ranks started once and
 reused. ``autoparallel calibrate`` measures the machine with it; tests and benchmarks use it
-to check and time the parallel module.
+to check and time the parallel module. :func:`fake_mesh` is the other way to get ranks:
+none at all, a mesh of any size on torch's fake process group, for planning on one machine.
 
 Contract: ``fn`` is importable by name (module level, so it pickles), its return value is
 picklable (tensors travel by value), and a failing rank's traceback is raised in the caller
@@ -14,6 +15,7 @@ without reporting (a signal, ``os._exit``) is named in the error with its exit c
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import queue as queue_module
@@ -27,11 +29,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["RankPool", "find_free_port", "pin_to_core", "run_distributed"]
+from autoparallel._torch_internals import init_fake_process_group
+
+__all__ = ["RankPool", "fake_mesh", "find_free_port", "pin_to_core", "run_distributed"]
 
 _GRACE_S = 5.0
 """After one rank fails, how long to wait for the others to report before killing them."""
+
+
+def fake_mesh(
+    shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None = None, rank: int = 0
+) -> DeviceMesh:
+    """A CPU DeviceMesh of ``shape`` on torch's fake process group, as seen by ``rank``.
+
+    Nothing communicates: collectives return at once without moving data. This is how one
+    process plans for a cluster (``fake_mesh((8, 8), ("dp", "tp"))`` plans 64 GPUs); the
+    plan it gives is the plan every real rank computes. Any default process group already
+    started in this process is destroyed first; call ``torch.distributed.destroy_process_group()``
+    when done.
+    """
+    world_size = math.prod(shape)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a mesh of {world_size} ranks {tuple(shape)}")
+    init_fake_process_group(world_size, rank)
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=mesh_dim_names)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -26,9 +26,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel._torch_internals import tree_flatten, tree_unflatten
 from autoparallel.graph.view_ops import parameter_views
 from autoparallel.regions.context import RegionScope, register_running_scope
 from autoparallel.runtime.coalesce import reduce_gradients

@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-from torch.utils._pytree import tree_map
 
 from autoparallel import _torch_internals as internals
+from autoparallel._torch_internals import OpOverload, tree_map
 from autoparallel.graph.fx_args import tensor_input_nodes
 from autoparallel.strategies import view_rules
 from autoparallel.types.placements import OutputPlacements, Placements
@@ -52,7 +52,7 @@ def dtensor_strategies(
     Raises :class:`NoDTensorStrategy` if DTensor cannot answer for this node.
     """
     op = node.target
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         raise NoDTensorStrategy(f"{node.target} is not an ATen op")
     output_meta = tensor_meta_of(node.meta.get("val"))
     strategy_fn = internals.dtensor_strategy_function(op, mesh, output_meta)

@@ -34,7 +34,7 @@ from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_s
 from autoparallel.strategies.regions import region_strategies
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi
-from autoparallel.types.strategies import NodeStrategies, Strategy, StrategySpace
+from autoparallel.types.strategies import NodeStrategies, Strategy, StrategySource, StrategySpace
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +120,11 @@ def _strategies_for(
                 node, inputs, multi, mesh_shape, space, "same op and shapes as an earlier fallback"
             )
         return NodeStrategies(node, inputs, valid, source, multi)
-    candidates, source = _candidates(node, mesh, mesh_shape, options, multi, len(inputs))
+    candidates, source, missing = _candidates(node, mesh, mesh_shape, options, multi, len(inputs))
     valid = [s for s in dict.fromkeys(candidates) if _is_valid(s, node, inputs, mesh_shape)]
     if not valid:
         reason = (
-            source
-            if source.startswith("no ")
-            else "every DTensor option shards a dimension into empty or nested uneven pieces"
+            missing or "every DTensor option shards a dimension into empty or nested uneven pieces"
         )
         valid = [_fallback(node, inputs, multi, mesh_shape, space, reason)]
         source = "fallback"
@@ -184,19 +182,22 @@ def _candidates(
     options: dict[fx.Node, list[OutputPlacements]],
     multi: bool,
     num_inputs: int,
-) -> tuple[list[Strategy], str]:
+) -> tuple[list[Strategy], StrategySource, str]:
+    """The node's candidate strategies, where they came from, and why there are none (empty
+    when there are some)."""
     own_rule = rules.OWN_RULES.get(node.target)
     if own_rule is not None:
         found = own_rule(node)
         if found is not None:
             single_dim_rules, num_outputs = found
-            return rules.expand_single_dim_rules(
+            expanded = rules.expand_single_dim_rules(
                 single_dim_rules, num_outputs, multi, len(mesh_shape)
-            ), "rule"
+            )
+            return expanded, "rule", ""
     try:
-        return dtensor_strategies(node, mesh, options), "dtensor"
+        return dtensor_strategies(node, mesh, options), "dtensor", ""
     except NoDTensorStrategy as error:
-        return [], f"no strategy: {error}"
+        return [], "fallback", f"no strategy: {error}"
 
 
 def _replicated(

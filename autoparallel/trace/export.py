@@ -23,9 +23,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import TreeSpec, tree_flatten
 
 from autoparallel import _torch_internals as internals
+from autoparallel._torch_internals import TreeSpec, tree_flatten
 from autoparallel.regions.context import RegionScope, region_scope
 from autoparallel.regions.local_map import LocalMapError, region_backward_op, region_forward_op
 from autoparallel.regions.profile import check_free_dims, profile_region

@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.func import functional_call
-from torch.utils._pytree import tree_map
 
+from autoparallel._torch_internals import tree_map
 from autoparallel.graph.view_ops import passes_gradient_through
 from autoparallel.types.graph import JointGraph
 

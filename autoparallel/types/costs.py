@@ -8,16 +8,55 @@ placement) pair. The pricing itself lives in ``autoparallel/cost/``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+import numpy as np
 import torch.fx as fx
 
+from autoparallel.types.kinds import EdgeKind
 from autoparallel.types.placements import OutputPlacements
 
-if TYPE_CHECKING:  # the pricer is a cost-stage object this type only holds
-    from autoparallel.cost.redistribution import PairPricer
-    from autoparallel.cost.routes import RouteTable
-    from autoparallel.cost.topology import Topology
+
+class Topology(Protocol):
+    """What later stages read of the cost stage's ``cost.topology.Topology``: the mesh and
+    the hardware its prices came from (a Protocol: types import no stage)."""
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def hardware(self) -> Any: ...  # cost.hardware.Hardware
+
+    @property
+    def gpus_per_node(self) -> int: ...
+
+
+class RouteTable(Protocol):
+    """What later stages read of ``cost.routes.RouteTable``: one tensor's placement states
+    and the single-step arcs between them, each with its price."""
+
+    arc_src: np.ndarray
+    arc_dst: np.ndarray
+    arc_comm: np.ndarray
+
+    @property
+    def num_arcs(self) -> int: ...
+
+    def price(self, src: int, dst: int) -> tuple[float, float]: ...
+
+
+class PairPricer(Protocol):
+    """What later stages read of ``cost.redistribution.PairPricer``: the route table of a
+    tensor and the placements of its states."""
+
+    @property
+    def routes(self) -> RouteTable | None: ...
+
+    def state_of(self, placements: object) -> int | None: ...
+
+    def placements_of_state(self, state: int) -> tuple: ...
+
+    def route(self, src: tuple, dst: tuple) -> list[tuple]: ...
 
 
 @dataclass
@@ -33,7 +72,7 @@ class EdgeCost:
     producer: fx.Node
     consumer: fx.Node
     slot: int
-    kind: str  # "arg", "param_grad", "input_grad" or "output"
+    kind: EdgeKind
     src_options: list[OutputPlacements]
     src_of_strategy: list[int]
     dst_options: list[OutputPlacements]

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import TreeSpec
 
 from autoparallel.types.regions import LocalMapRegion
+from autoparallel.types.trees import TreeStructure
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,8 @@ class JointGraph:
     param_grads: dict[str, fx.Node]
     input_grads: dict[int, fx.Node]
     forward_nodes: set[fx.Node]
-    in_spec: TreeSpec
-    out_spec: TreeSpec
+    in_spec: TreeStructure
+    out_spec: TreeStructure
     device: torch.device
     tied_params: list[list[str]] = field(default_factory=list)
     layers_traced_once: RepeatedLayers | None = None

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from autoparallel.types.kinds import BucketKind, EdgeKind, NodePhase, Phase, SolverMethod
 from autoparallel.types.memory import MemoryEstimate
 from autoparallel.types.placements import OutputPlacements, Placements
 from autoparallel.types.strategies import Strategy
@@ -27,13 +28,7 @@ class SolverStats:
     time_s: float
     num_variables: int
     num_constraints: int
-    # "lp": the LP relaxation came out integral (a proven optimum without branching);
-    # "lp+price": a memory budget priced into the objective gave a plan within fix_gap of
-    # the relaxation's bound; "lp+dive": fixing node classes one by one did
-    # (solver/fixing.py); "lp+fix": relax and fix (or branching on the recompute counts) did; "lp+kept": a re-solve at refitted prices kept the plan it started from,
-    # within fix_gap of the new relaxation's bound; "mip": branch and bound ran (small
-    # problems, or a fractional relaxation)
-    method: str = "mip"
+    method: SolverMethod = "mip"  # how the plan was reached (see SolverMethod)
 
 
 @dataclass
@@ -53,7 +48,7 @@ class ArgumentCost:
 
     producer: str
     slot: int
-    kind: str  # "arg", "param_grad", "input_grad", "output"
+    kind: EdgeKind
     src: OutputPlacements
     dst: OutputPlacements
     comm_us: float
@@ -78,7 +73,7 @@ class NodePlan:
     name: str
     target: str
     shape: tuple[int, ...] | None
-    phase: str  # "placeholder", "forward" or "backward"
+    phase: NodePhase
     strategy: Strategy
     compute_us: float
     arguments: list[ArgumentCost] = field(default_factory=list)
@@ -123,12 +118,12 @@ class BucketCost:
     """Collectives the runtime issues as one (a gradient-reduction bucket, a layer's
     parameter gathers): the fixed cost it pays once, and how many tensors share it."""
 
-    kind: str  # "gradient_reduction" or "parameter_gather"
+    kind: BucketKind
     description: str
     latency_us: float  # paid once per step (per phase, for a layer's gathers)
     tensors: int  # how many of the plan's moves it carries
     candidates: int  # how many could have joined (the objective shared the latency by these)
-    phase: str = "backward"  # the phase that runs it ("forward": a layer's forward gathers)
+    phase: Phase = "backward"  # the phase that runs it ("forward": a layer's forward gathers)
 
 
 @dataclass(frozen=True)
@@ -137,7 +132,7 @@ class OverlapCost:
     hides behind ``during``, by ``hidden_us`` = the hardware's overlap fraction times the
     smaller of the two."""
 
-    phase: str  # "forward" or "backward"
+    phase: Phase
     comm: str  # e.g. "gradient reductions of layers.3"
     during: str  # e.g. "backward of layers.2"
     comm_us: float

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from autoparallel.types.costs import CostTables
 from autoparallel.types.graph import JointGraph
+from autoparallel.types.kinds import ActivationCheckpointing, BucketKind, Phase
 from autoparallel.types.memory import MemoryModel
 from autoparallel.types.strategies import StrategySpace
 
@@ -117,7 +118,7 @@ class Bucket:
     once a plan used only ``used`` of them (see problem/buckets.py).
     """
 
-    kind: str  # "gradient_reduction" or "parameter_gather"
+    kind: BucketKind
     description: str  # e.g. "all_reduce over mesh dim 0 to R, float32"
     latency_us: float
     candidates: int
@@ -131,7 +132,7 @@ class OverlapWindow:
     columns, a bucket's latency left out) hides behind the compute of ``compute_nodes``, up
     to the hardware's overlap fraction of the smaller of the two (see problem/overlap.py)."""
 
-    phase: str  # "forward" or "backward"
+    phase: Phase
     comm: str  # what hides, e.g. "parameter gathers of layers.3"
     during: str  # behind what, e.g. "forward of layers.2"
     compute_nodes: tuple[fx.Node, ...]
@@ -166,8 +167,8 @@ class Problem:
     memory: MemoryModel | None = None
     memory_optimizer: str | float = "adamw"
     memory_budget: float | None = None
-    # "auto": the memory constraint may recompute layers (problem/recompute.py); "off"
-    activation_checkpointing: str = "off"
+    # "auto": the memory constraint may recompute layers (problem/recompute.py)
+    activation_checkpointing: ActivationCheckpointing = "off"
     # (edge, pair) -> objective saving of each bucket member, indexed by set_buckets
     _savings: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
     _shares: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)

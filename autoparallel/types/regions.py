@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.tensor.placement_types import Partial, Replicate
-from torch.utils._pytree import TreeSpec
 
+from autoparallel.types.kinds import CollectiveKind
 from autoparallel.types.placements import Placements
 from autoparallel.types.tensors import TensorInfo
+from autoparallel.types.trees import TreeStructure
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class CollectiveRecord:
     """One collective the body issued: ``kind`` is all_to_all / all_gather / reduce_scatter /
     all_reduce, ``nbytes`` the bytes of the larger of its input and output on one rank."""
 
-    kind: str
+    kind: CollectiveKind
     mesh_dim: int
     nbytes: int
 
@@ -108,7 +109,7 @@ class LocalMapRegion:
     key: str
     func: Callable[..., Any]
     source: str
-    arg_spec: TreeSpec
+    arg_spec: TreeStructure
     constants: tuple
     tensor_positions: tuple[int, ...]
     in_placements: tuple[Placements, ...]
@@ -117,7 +118,7 @@ class LocalMapRegion:
     differentiable: tuple[bool, ...]
     layouts: tuple[RegionLayout, ...]
     free_mesh_dims: tuple[int, ...] = ()
-    out_spec: TreeSpec | None = None
+    out_spec: TreeStructure | None = None
 
     def arguments(self, tensors: list[Any]) -> tuple:
         """The body's positional arguments with ``tensors`` in the tensor positions."""

@@ -8,6 +8,7 @@ DTensor placements in mesh-dimension order, e.g. ``(Shard(0), Replicate())``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch.fx as fx
 
@@ -22,19 +23,27 @@ class Strategy:
     inputs: tuple[OutputPlacements, ...]
 
 
+StrategySource = Literal[
+    "placeholder", "getitem", "fill", "factory", "local_map", "rule", "dtensor", "fallback"
+]
+"""Where a node's options came from: its role (a graph input, an item of a multi-output op,
+a constant fill, a factory op, a ``local_map`` region), our own rules (``strategies/rules.py``),
+DTensor's registry, or the replicate-everything fallback when neither had a valid option."""
+
+
 @dataclass
 class NodeStrategies:
     """All options of one node.
 
     ``input_nodes[i]`` is the producer feeding input slot ``i``; the same producer may feed
     several slots (``x * x``) and every slot is priced separately. ``source`` says where the
-    options came from: 'dtensor', 'placeholder', 'getitem', a rule name, or 'fallback'.
+    options came from (:data:`StrategySource`).
     """
 
     node: fx.Node
     input_nodes: list[fx.Node]
     strategies: list[Strategy]
-    source: str
+    source: StrategySource
     multi_output: bool = False
     _outputs: tuple | None = field(default=None, repr=False, compare=False)
 
