@@ -50,7 +50,7 @@ def format_node(node: NodePlan) -> str:
 def log_plan(plan: Plan, level: int = logging.INFO, topology: Topology | None = None) -> None:
     """Emit the whole plan through Python logging (logger ``autoparallel.plan``), with the
     hardware figures it was priced on when ``topology`` is given. Nothing is formatted when
-    the logger would drop ``level`` (a plan of LLaMA-3 8B has ~9,000 lines: 0.4 s)."""
+    the logger would drop ``level`` (a large model's plan runs to thousands of lines)."""
     if not logger.isEnabledFor(level):
         return
     names = plan.mesh_dim_names or tuple(f"dim{i}" for i in range(len(plan.mesh_shape)))

@@ -55,11 +55,9 @@ REFITS = 3
 LARGE_PROBLEM_VARIABLES = 50_000
 LARGE_PROBLEM_REFITS = 1
 """A problem of at least ``LARGE_PROBLEM_VARIABLES`` columns is re-solved at most this often.
-Measured on every resolve of the test suite and on LLaMA-3 8B (free, under 8 GiB, under a
-halfway budget with recomputation), 70B under 80 GB and the 16 B MoE on (8, 8): a second
-refit was kept once in about sixty resolves (a problem of a few thousand columns, 0.8 %
-lower), never on one of these large problems, where each costs 1-3 s of planning (the
-halfway 8B plan: 3.0 s of its 20 s)."""
+A second refit's plan is rarely kept, and then only a little cheaper, while on a large
+problem each re-solve costs seconds of planning; below the threshold re-solves are cheap
+and all ``REFITS`` may run (the figures: ``docs/measurements.md``, planning time)."""
 
 
 class ShardingOptimizer:

@@ -39,8 +39,8 @@ of them, and takes each one's median step of the slowest rank
   the ranks' misalignment at their collectives (see ``autoparallel.measure_step``), which
   the plan does not price;
 * ``twin_spread``: how far apart the free plan and its twin measured, over the faster: two
-  builds of one plan in one run, so this is the resolution of the run's measurements (on
-  this 2-core VM the same plan, pinned as ``ddp`` and free, measured up to ~40 % apart).
+  builds of one plan in one run, so this is the resolution of the run's measurements (on a
+  host whose ranks share cores, a coarse one).
 
 Children's logs go to stderr. A variant that fails is reported with its error and the others
 still run.

@@ -12,8 +12,8 @@ one set of processes and timed round-robin, ``--rounds`` rounds of ``--steps / -
 steps each (every round starts each variant with one untimed step), so a slow spell of this
 shared machine, and the build of a set of ranks, fall on both sides of a ratio alike: in
 separate sets of ranks (``--separate``, where one failing or hanging variant does not take
-the others down) the tiny LLaMA's free plan measured 0.99, 1.17 and 1.24 of DDP in three
-runs of the same code (2026-12-05). ``--pin-cores`` binds each rank to one core (calibrate
+the others down) a ratio also carries each set's own spells and builds, and moves from one
+run of the same code to the next. ``--pin-cores`` binds each rank to one core (calibrate
 the profile with ``--pin-cores`` too).
 
 Comparisons, one JSON line each on stdout (children's output goes to stderr):

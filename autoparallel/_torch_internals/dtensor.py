@@ -46,7 +46,7 @@ __all__ = [
 
 # ---------------------------------------------------------------------------- DTensor wrappers
 # ``DTensor.to_local()`` and ``from_local()`` build one autograd node per tensor and
-# normalize placements on every call (~200 us a parameter on CPU, every step). The runtime
+# normalize placements on every call, a cost paid per parameter on every step. The runtime
 # unwraps all parameters in one autograd node instead, which needs a DTensor's spec and the
 # constructor that wraps a local tensor in a known spec; both are private.
 
@@ -218,7 +218,7 @@ def view_rule_of(strategy_fn: Any) -> ViewRule | None:
 
     Why private: DTensor registers every view-like op (view, reshape, expand, permute, ...)
     through ``register_op_strategy_map``, whose strategy prices each candidate against every
-    input option with ``generate_redistribute_costs``; that pricing, which we drop, was most
+    input option with ``generate_redistribute_costs``; that pricing, which we drop, is most
     of the strategies stage on 3-D meshes. The op's dim map and ``strict_view`` flag exist only
     as that closure's variables, so we read them there: exactly what DTensor uses for this op.
     None when ``strategy_fn`` is not such a closure (torch changed, or another registration).

@@ -57,8 +57,8 @@ def unrun_graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     """A GraphModule of ``graph`` whose Python code is generated only if something runs it.
 
     The joint graph module is read node by node and never called (the runtime builds graphs
-    of its own); a plain GraphModule generates its code on construction, 0.7 s for the
-    20,000 nodes of LLaMA-3 70B. torch's lazy subclass is private."""
+    of its own); a plain GraphModule generates its code on construction, in time that grows
+    with its node count, wasted on a graph nobody calls. torch's lazy subclass is private."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     return _LazyGraphModule(root, graph)

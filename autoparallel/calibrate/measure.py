@@ -83,11 +83,9 @@ STEP_GAP_US = 1000.0
 its collectives between ops, not back to back. Ranks then arrive a little apart (each rank's
 compute jitters) and a rank that waited may have let its core go idle, which costs a wake-up
 when the data lands; a training step pays both at each collective it waits on, and a loop of
-back-to-back calls (ranks in lockstep, never idle) hides both. On a KVM guest with gloo this
-nearly doubles a small collective's time: the 64 KiB all-gather on 2 ranks took 0.76 ms back
-to back and 1.16 ms after the gap (``autoparallel calibrate --nproc 2``, before and after the
-gap), and with the gap the 2-rank fidelity cells within 20 % went from 3 of 12 to 8 of 12
-(``benchmarks/plan_fidelity.py``)."""
+back-to-back calls (ranks in lockstep, never idle) hides both. On a virtual machine with
+gloo the two are a large part of a small collective's time, so a fit to back-to-back calls
+under-prices every small collective of a plan (``benchmarks/plan_fidelity.py`` shows it)."""
 
 
 def _gap(device: torch.device, gap_us: float) -> Callable[[], None]:

@@ -39,9 +39,8 @@ from autoparallel.runtime.timing import GraphClock, graph_clock
 CACHE_FLUSH_BYTES = 64 << 20
 """Memory every rank writes before each timed matmul, off the clock: in a training step a
 matmul's operands were last touched several ops ago (a layer's weights a whole step ago),
-not by the same matmul a moment before, as in a loop. Priced on the cold figures, the 21 M
-LLaMA's 87 matmuls of its free plan on 2 ranks come to 85.6 ms against 93.8 ms measured
-under the profiler (``benchmarks/op_breakdown.py``)."""
+not by the same matmul a moment before, as in a loop. ``benchmarks/op_breakdown.py``
+compares the matmuls priced on the cold figures with the profiler's times in a real step."""
 
 
 def _cache_flush(device: torch.device) -> Callable[[], None]:
@@ -176,8 +175,8 @@ def _block_joint(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor,
 TINY_BLOCK = (2, 8, 32)
 """(batch, seq, dim) of the block that gives the fixed cost per op: at these shapes the
 roofline is a small part of the block's time, so the figure is not the difference of two
-similar numbers (at 4 x 32 x 64 the roofline is half the time and such a residual swung
-between 0.3 and 30 us from one run to the next on a shared host)."""
+similar numbers (at 4 x 32 x 64 the roofline is half the time, and on a shared host such a
+residual varies by orders of magnitude from one run to the next)."""
 
 TRAINING_BLOCK = (4, 32, 64)
 """(batch, seq, dim) of the block that gives the memory bandwidth small training ops reach
@@ -234,12 +233,11 @@ OPTIMIZER_CHURN_BYTES = 256 << 20
 """Memory every rank writes and frees before each timed optimizer step, off the clock: in
 training the forward and backward run between two steps, and their activations push the
 optimizer's state out of the caches and the allocator's free memory back to the system, so
-the step's temporaries land on fresh pages. Steps timed back to back keep both warm (on
-this VM ``autoparallel calibrate --nproc 2`` fitted 139 us per step + 3.44 ns per element
-back to back, 1081 us + 4.07 ns after the churn; the 21 M LLaMA's free plan on 2 ranks,
-priced after the churn: 45.5 ms against 48.6 measured, ``benchmarks/plan_fidelity.py``'s
-phase split). A small model's step, whose state stays in
-cache, is over-priced by the churn's fixed part (tiny LLaMA: 2.2 ms against 1.2)."""
+the step's temporaries land on fresh pages. Steps timed back to back keep both warm, and
+their fixed part per step comes out several times smaller than a training step pays
+(``benchmarks/plan_fidelity.py``'s phase split compares the churned price with real steps).
+A small model's step, whose state stays in cache, does not pay the churn's fixed part: see
+``OPTIMIZER_WARM_CHURN_BYTES``."""
 
 
 OPTIMIZER_WARM_CHURN_BYTES = 16 << 20
@@ -285,9 +283,9 @@ def optimizer_step_us(
 
     def churn_then_align() -> None:
         # A step's optimizer starts on every rank at once: the backward ends in a gradient
-        # reduction that waits for the last rank. Timed unaligned, one rank's step overlapped
-        # another's churn (`autoparallel calibrate --nproc 4` on a 2-core VM: 114 us per
-        # tensor unaligned, 31 aligned).
+        # reduction that waits for the last rank. Timed unaligned, one rank's step overlaps
+        # another's churn where ranks share cores, which inflates the per-tensor figure
+        # several times over.
         churn()
         dist.barrier()
 
@@ -355,9 +353,9 @@ def runtime_step(
     """Plan :class:`ParameterChain` on ``mesh`` with its input and output replicated (every
     rank computes the whole step: no collective), build its parallel module as a user does,
     and time zero_grad + forward + backward, and the forward alone, each with the time its
-    graphs ran inside it. (Taking the graphs' priced time off instead made the runtime's
-    figure carry the op model's error on the probe's tiny ops: a forward measured below
-    its graphs' price came out 4 % of the work on 2 gloo ranks.)"""
+    graphs ran inside it. (The graphs' measured time is taken off, not their priced time,
+    which would leave the op model's error on the probe's tiny ops in the runtime's figure
+    and swamp it wherever a forward runs faster than its graphs' price.)"""
     from torch.distributed.tensor import Replicate
 
     from autoparallel.api import AutoParallel

@@ -84,7 +84,7 @@ def calibrate_group(
     topology = Topology(mesh_shape, CPU, per_node)
     samples: list[dict[str, Any]] = []
     # The device first, then the collectives, then the other rounds of Rounds: they fall
-    # half a minute apart, not all in one fast or slow spell of a shared host.
+    # far apart in time, not all in one fast or slow spell of a shared host.
     rounds = Rounds.trace(device, settings)
     device_figures = time_device(device, mesh, settings, say, samples)
     rounds.time_round(settings.repeats, device)

@@ -37,7 +37,7 @@ from autoparallel.cost.hardware import CPU, Hardware
 from autoparallel.cost.matmul_table import MatmulTable
 
 CPU_MATMUL_GRID = (16, 64, 256, 1024)
-"""The matmul table's dimensions on a CPU host: 64 shapes in about 5 s on the 2-core VM.
+"""The matmul table's dimensions on a CPU host: 64 shapes, few enough to time in seconds.
 Larger dimensions are priced in proportion to the 1024 ones (where a CPU core's matmul has
 reached its peak)."""
 
@@ -96,8 +96,8 @@ class Rounds:
     largest fp32 matmul and the skinny one (the FLOP/s and ``matmul_half_dim``), and the two
     traced transformer blocks that fit the op model of the host. A shared host drifts
     between fast and slow spells for seconds at a time, so one round runs with the device
-    figures and the others after the collectives; a single timing of the matmul gave 153
-    and 182 GFLOP/s in two ``autoparallel calibrate --nproc 2`` runs on this VM."""
+    figures and the others after the collectives, where a single timing of the matmul would
+    take the FLOP/s of whichever spell it fell in."""
 
     matmul_shape: tuple[int, int, int]
     skinny_shape: tuple[int, int, int]

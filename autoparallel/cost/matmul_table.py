@@ -1,10 +1,9 @@
 """Measured matmul times over a grid of shapes: what a calibrated profile prices matmuls by.
 
 One peak FLOP/s and a rule for small dimensions cannot say how fast a host runs the matmuls
-of a real model: on the 2-core CPU VM the 1024^3 matmul reached 156 GFLOP/s while a
-256 x 512 x 768 one, as a training step runs it, took 1.65 ms (122 GFLOP/s), 17 % above
-that rule's price; a 256 x 64 x 128 one took 37 us, whose operands a step still holds in
-cache, against 127 us timed after the caches were flushed. So ``autoparallel calibrate``
+of a real model: a mid-sized matmul, as a training step runs it, can fall further below
+the peak than that rule prices it, and a small one whose operands a step still holds in
+cache runs several times faster than after the caches were flushed. So ``autoparallel calibrate``
 times every (M, K, N) of a grid twice, on warm caches (the same call back to back) and on
 cold ones (after 64 MiB of other writes), and a matmul is priced between the two by how
 much memory it touches: ``warm + min(1, bytes / cold_bytes) * (cold - warm)``, with

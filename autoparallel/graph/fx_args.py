@@ -2,8 +2,8 @@
 
 ATen nodes' arguments are nests of tuples, lists and dicts around nodes and plain values.
 ``torch.utils._pytree`` handles every registered container and costs tens of microseconds a
-call; the strategy and cost stages walk the arguments of every node several times, and on an
-80-layer graph pytree was a third of their time. These two functions cover exactly the
+call; the strategy and cost stages walk the arguments of every node several times, so on a
+large graph pytree would be much of their time. These two functions cover exactly the
 containers FX puts in ``node.args``/``node.kwargs`` (its immutable lists and dicts are
 subclasses of list and dict) and visit leaves in pytree's order.
 """

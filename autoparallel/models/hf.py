@@ -6,7 +6,7 @@ through ``CAUSAL_SDPA``, an attention function registered with
 ``transformers.AttentionInterface`` that calls
 ``scaled_dot_product_attention(is_causal=True)``.
 
-Any ``transformers`` model now traces with its own default attention and masks (see
+Any ``transformers`` model also traces with its own default attention and masks (see
 ``hf_families.py``); ``CAUSAL_SDPA`` stays for these builders because it skips the mask
 construction altogether (a smaller graph, the same logits as ``"sdpa"`` for unpadded
 causal-LM input, the only input it supports) and because the planning benchmarks of

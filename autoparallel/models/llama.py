@@ -46,7 +46,8 @@ __all__ = [
 class LlamaConfig(DecoderConfig):
     """Hyper-parameters of a LLaMA-style decoder.
 
-    ``n_kv_heads`` None is filled in as ``n_heads`` (plain multi-head attention).
+    ``n_kv_heads`` None is filled in as ``n_heads`` (plain multi-head attention), here at
+    construction, so ``dataclasses.replace`` of ``n_heads`` keeps the filled-in count.
     ``ffn_hidden`` defaults to the LLaMA rule: ``2/3 * 4 * dim``, scaled by
     ``ffn_dim_multiplier`` when given, rounded up to ``multiple_of``.
     """

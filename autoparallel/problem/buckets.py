@@ -15,8 +15,8 @@ A bucket over several mesh dims runs one collective per dim (``runtime/rank_layo
 a tensor dim that a mesh dim the move keeps also shards is left out (nested layouts).
 
 Pricing each of them as a collective of its own charges the fixed cost (the latency of every
-ring step) once per tensor: on gloo that is ~1 ms per gradient, so a per-tensor model prefers
-plans that reduce nothing. Here every pair that the runtime would coalesce is priced without
+ring step) once per tensor: on gloo, much of a gradient's reduction, so a per-tensor model
+prefers plans that reduce nothing. Here every pair that the runtime would coalesce is priced without
 that latency, plus the host's work packing it into the bucket and out (``pack_us``), plus
 an equal share of it: the latency divided by the bucket's *candidates*, the edges that have
 a pair in it. When every candidate joins (all gradients reduced the same
@@ -24,25 +24,19 @@ way, a whole layer gathered: the plans that matter) the shares add up to exactly
 when only some join, the objective pays less than the runtime will, and the plan's totals,
 which charge each bucket in use its whole latency once, say so. A fixed charge proper (a
 column ``z >= y`` per member) is exact but makes the relaxation fractional: LLaMA on a 2-D
-mesh went from an LP solve to branch and bound past its time limit. The shares keep the
+mesh then needs a branch and bound that outlasts the time limit. The shares keep the
 problem's structure (no column, no row), and folding applies.
 
-Known limit: buckets are priced on 1-D and 2-D meshes only. On 2-D meshes they once made
-LLaMA's LP relaxation half-integral around the embedding's gradient; with the overlap
-windows and the price refits in place, LLaMA-3 8B and 70B on (8, 8) plan in 11 and 21 s
-with them (``benchmarks/plan_time.py --model llama3-8b --mesh 8x8``; 7 and 15 s without:
-some relaxations turn fractional and relax and fix runs), and pricing every collective at
-its own latency there steered plans away from the data parallelism and the FSDP the runtime
-makes cheap (the tiny MoE on a gloo (2, 2) gathered its activations rather than reduce a
-gradient, 2.2x slower). On 3-D meshes the relaxation turns fractional for good: the tiny
-LLaMA on (2, 2, 2) took 319 s of branch and bound against 24 s, so there every collective
-keeps its own latency (conservative: the runtime coalesces them). Measured again with relax
-and fix in place (2026-12-05, the narrow LLaMA of ``tests/test_plan_llama.py`` on a fake
-(2, 2, 2), h100 preset, parameter memory constraint, scratch script, one run each): 80 s
-without buckets ("lp"), 328 s with both kinds ("lp+fix", 0.47 % above its bound, 2 % cheaper
-at its own prices), 182 s with the gradient buckets alone ("lp+fix", a plan that used none of
-them, dearer than without). Lifting this limit needs a formulation whose relaxation stays
-integral, not a faster fix.
+Known limit: buckets are priced on 1-D and 2-D meshes only. On 2-D meshes they cost some
+planning time (with the overlap windows and the price refits, some relaxations turn
+fractional and relax and fix runs), and they are worth it: pricing every collective at its
+own latency there steers plans away from the data parallelism and the FSDP the runtime
+makes cheap (on gloo a plan gathers activations rather than reduce a gradient). On 3-D
+meshes the relaxation turns fractional for good, and branch and bound, or relax and fix
+(close to the bound), makes planning several times slower, so there every collective
+keeps its own latency (conservative: the runtime coalesces them). Lifting this limit needs
+a formulation whose relaxation stays integral, not a faster fix (the figures:
+``docs/architecture.md``, known limits).
 
 Such a pair is priced as its direct single step even where the route table found a cheaper
 multi-step route (say reduce-scatter then all-gather instead of an all-reduce): coalescing

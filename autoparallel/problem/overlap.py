@@ -29,8 +29,8 @@ The objective prices the min linearly: each window's comm columns are discounted
 ``share * O``, with ``share = fraction * min(1, C / O)`` at the last plan (``fraction`` before
 the first). That is exact for the plan it was fitted to, and keeps the problem's structure:
 no column, no row, so the LP relaxation stays integral and folding applies. (The exact
-form, a column ``h <= C, h <= O`` per window, made a 3-D LLaMA's relaxation fractional:
-branch and bound past its time limit where the LP took 48 s.) ``ShardingOptimizer.resolve``
+form, a column ``h <= C, h <= O`` per window, makes a 3-D LLaMA's relaxation fractional:
+a branch and bound past its time limit instead of one LP.) ``ShardingOptimizer.resolve``
 refits the shares to the plan it found and solves again while they change, keeping the
 plan whose totals, which always charge the exact min, are lowest.
 

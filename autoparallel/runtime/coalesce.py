@@ -3,7 +3,7 @@
 At the end of the backward phase each parameter gradient is a pending sum (``Partial``) that
 moves to its parameter's placement: an all-reduce for a replicated parameter, a
 reduce-scatter for a sharded one. One collective per gradient pays a collective's fixed cost
-once per parameter (hundreds of times a step for a large model; ~0.5 ms each over gloo),
+once per parameter (hundreds of times a step for a large model, each a round of latency),
 which is why FSDP and DDP bucket them. Here every gradient whose planned move is that single
 step, over the same mesh dim to the same target with the same dtype, joins one flat buffer
 reduced by one functional collective (or a few: a bucket carries at most

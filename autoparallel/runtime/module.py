@@ -420,7 +420,7 @@ def _run_inference(runtime: _Runtime, *flat: torch.Tensor) -> tuple[torch.Tensor
 class _UnwrapParameters(torch.autograd.Function):
     """The local tensors of DTensor parameters, in ONE autograd node; its backward wraps
     each gradient in its parameter's spec. What ``to_local()`` per parameter does, without
-    an autograd node and a placement normalization per tensor (~200 us a parameter on CPU)."""
+    an autograd node and a placement normalization per tensor, paid every step."""
 
     @staticmethod
     def forward(ctx, *params: DTensor) -> tuple[torch.Tensor, ...]:
@@ -467,7 +467,7 @@ def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.
 
 def _local_of(tensor: DTensor, eager: bool) -> torch.Tensor:
     """The local tensor of a DTensor no gradient flows to (a buffer, a frozen parameter):
-    eagerly the tensor itself (``to_local()`` costs ~19 us of DTensor dispatch on CPU, for
+    eagerly the tensor itself (``to_local()`` goes through DTensor's dispatch every step, for
     the same tensor); under a tracer ``to_local()``, which the tracer follows."""
     if eager and not tensor.requires_grad:
         return internals.local_tensor_of(tensor)
@@ -477,8 +477,8 @@ def _local_of(tensor: DTensor, eager: bool) -> torch.Tensor:
 def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
     runtime: _Runtime = self._autoparallel.for_inputs(leaves, spec)
-    # one walk over the modules per step (``get_parameter`` per name walks the path each time:
-    # ~6x slower), and never a cached tensor: the user may assign new parameters between steps
+    # one walk over the modules per step (``get_parameter`` per name walks the path again for
+    # each name), and never a cached tensor: the user may assign new parameters between steps
     named_params = dict(self.named_parameters(remove_duplicate=False))
     named_buffers = dict(self.named_buffers(remove_duplicate=False))
     params = _local_tensors(self, list(runtime.joint.params), named_params.__getitem__)

@@ -82,10 +82,10 @@ def fixed_plan(
 
 DIVE_UNFIXED_SHARE = 0.25
 """The dive goes first where relax and fix would leave at least this share of the node
-classes to its MIP (no strategy above its first threshold): LLaMA-3 8B on (8, 8) priced on a
-gloo profile 695 of 764 (the dive 1 s, that MIP 30 s). Below it relax and fix alone: under
-a memory budget few classes are fractional, and there the dive took 18-64 fixes of 0.4 s
-each (LLaMA-3 8B under a halfway budget: 7-33 s against relax and fix's 1-4 s)."""
+classes to its MIP (no strategy above its first threshold), as after a mirror-image tie
+(see :func:`dive`), where a few fixes cost far less than that MIP. Below it relax and fix
+alone: under a memory budget few classes are fractional, and there the dive needs many
+more fixes, each a re-solve, and is slower than relax and fix."""
 
 
 def _fix_relaxation(
@@ -116,7 +116,7 @@ def _fix_relaxation(
 
 MAX_DIVE_FIXES = 64
 """The dive gives up after fixing this many node classes one by one (relax and fix takes
-over). On LLaMA-3 8B on a fake (8, 8) priced on a gloo profile it needed 7."""
+over). The ties it is for break within a few fixes; the limit bounds a dive that does not."""
 
 
 def dive(
@@ -140,10 +140,9 @@ def dive(
     Why: where the mesh's dims are alike (one host, equal sizes), the relaxation of a large
     problem can average a plan and its mirror image (every node half one strategy, half the
     same with the mesh dims swapped). Relax and fix then leaves a MIP over nearly the whole
-    problem (LLaMA-3 8B on (8, 8) priced on a gloo profile: 695 of 764 node classes at 0.5,
-    the MIP 30 s). Fixing one node breaks the tie for its neighbours; each re-solve is a
-    few hundred dual simplex pivots (0.1-0.2 s there), and 7 fixes gave a plan 0.09 %
-    above the bound."""
+    problem, nearly every node class at 0.5, and that MIP is slow. Fixing one node breaks the
+    tie for its neighbours; each re-solve starts from the last basis and needs few dual
+    simplex pivots, and a few fixes give a plan close to the bound."""
     flat, starts = _node_class_columns(problem)
     held = np.zeros(0, np.int32) if held is None else held
     original = highs.getLp()
@@ -228,8 +227,8 @@ def _most_weighted_fractional(
 def relaxation(highs: highspy.Highs, options: SolverOptions) -> str:
     """Solve the LP relaxation of the model ``highs`` holds; returns its status. The
     simplex starts from the basis ``highs`` holds (the last LP's, or one set by
-    ``_start_from``). Measured on LLaMA-3 8B's refits: the dual simplex from the last
-    solve's basis took 2-21 s against 23-33 s cold; the primal simplex from it 84-117 s."""
+    ``_start_from``): after a price refit the dual simplex from the last solve's basis is
+    several times faster than from none, and the primal simplex from it slower than both."""
     highs.setOptionValue("solve_relaxation", True)
     highs.setOptionValue("solver", options.relaxation_solver)
     began = time.perf_counter()
@@ -245,8 +244,8 @@ FIX_THRESHOLDS = (0.5, 0.9)
 """Relax and fix tries fixing the columns the relaxation set strictly above each of these
 (then the ones it set to 1): the more it fixes, the smaller the MIP left, the likelier it
 misses. Strictly: a node the relaxation splits half and half between two strategies would
-have both fixed at 0.5 (LLaMA-3 8B on a gloo profile: 1459 columns fixed at >= 0.5, no plan,
-and the MIP left after the 0.9 pass took 32 s)."""
+have both fixed at 0.5, which leaves no plan (and where many nodes are split so, the MIP
+left after the 0.9 pass is most of the problem)."""
 
 
 def relax_and_fix(
@@ -345,8 +344,8 @@ def _fixed_whole(
     """With a strategy fixed for every node class (and ``held`` at their values in
     ``relaxed``), what is left is the columns the strategies determine, and its relaxation's
     vertex is the plan. Solved from no basis, so HiGHS's presolve removes the fixed columns
-    first: 0.4 s on LLaMA-3 8B on (8, 8) (197 k columns), where the MIP over the same columns
-    took 1.0 s and the relaxation from the basis ``highs`` holds 1.8-2.7 s. Returns (status,
+    first, which makes it faster than the MIP over the same columns and than the relaxation
+    from the basis ``highs`` holds. Returns (status,
     the plan or None: infeasible); None where the vertex is not integral or the LP stopped
     (the caller runs the MIP). ``held``'s bounds and ``highs``'s basis are restored."""
     held = np.zeros(0, np.int32) if held is None else np.asarray(held, np.int32)
@@ -385,7 +384,7 @@ def _branch_on_counts(
     full MIP takes minutes to undo. Each node solves the relaxation with the counts
     bounded; where the counts come out integral, the dive or relax and fix finds the plan. ``root``:
     the relaxation with the counts unbounded, already solved (objective, column values),
-    which the tree starts from instead of solving it again (seconds on LLaMA-3 8B). Returns
+    which the tree starts from instead of solving it again (seconds on a large problem). Returns
     the best plan and a lower bound on every plan's objective (the smallest relaxation
     among the nodes left), or None if no plan was found; the bounds are restored."""
     original = (

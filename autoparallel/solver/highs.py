@@ -8,8 +8,8 @@ LP first: the marginal formulation's LP relaxation is usually integral already (
 every node at 0 or 1). So we solve the relaxation first (dual simplex gives a vertex) and,
 when every integer column is integral there, that vertex *is* an optimal MIP solution: the
 relaxation's optimum bounds the MIP's from below and is attained by a feasible integer
-point. Only a fractional relaxation runs the branch-and-bound, with the time left. On
-LLaMA-3 8B (8, 8) this halves the solve (no MIP presolve, heuristics or root node work).
+point. Only a fractional relaxation runs the branch-and-bound, with the time left. On a
+large problem this saves the MIP's presolve, heuristics and root node work, much of a solve.
 ``SolverOptions(lp_first=False)`` goes straight to the MIP, and so do problems under
 ``lp_first_min_variables`` (where the MIP is quick anyway). Both paths find an optimum of the
 same problem; among equally priced plans they may pick different ones.
@@ -17,24 +17,24 @@ same problem; among equally priced plans they may pick different ones.
 Fixing a fractional relaxation (solver/fixing.py): branch on the recompute counts, the
 dive, relax and fix; a plan within ``fix_gap`` of the relaxation's objective (a lower
 bound on every plan's) is accepted, and ``plan.solver.gap`` says how far it is. Otherwise
-the full MIP runs, starting from the best plan found, for at most ``polish_time_s``: on
-LLaMA-3 8B under a budget it ran 170 s to improve a plan 3 % above its bound, and the price
-refit that followed replaced that plan anyway (a plan that a cost model within 20 % of the
-machine calls 3 % slower is not worth minutes). Without any plan found before it, the MIP
+the full MIP runs, starting from the best plan found, for at most ``polish_time_s``: on a
+large problem it can spend minutes improving a plan a few percent above its bound, which
+the price refit that follows may replace anyway (a gain well inside the cost model's own
+error is not worth minutes). Without any plan found before it, the MIP
 has the whole ``time_limit_s``.
 
 Priced search: where a memory budget binds, pricing its rows into the objective
 (solver/priced.py) gives an integral plan within the budget in a few warm-started LP solves.
 After a fractional relaxation it runs at the relaxation's duals, where fixing (solver/fixing.py)
-found no plan within ``fix_gap``: fixing goes first, as on LLaMA-3 8B under a halfway budget it found the plan in 1-2 s where the priced search took
-2-4 s and came out further from the bound. A relaxation with budget rows that has not
+found no plan within ``fix_gap``: fixing goes first, as on large budgeted problems it finds
+plans sooner and closer to the bound. A relaxation with budget rows that has not
 finished after ``budget_relaxation_wait_s`` hands over to the priced search from scratch
 (no duals: the mean budget row, each priced LP also a Lagrangian lower bound, so its plan
 has a gap of its own); a plan within ``fix_gap`` of that bound is accepted ("lp+price"),
 else the relaxation runs on with it as the plan to beat and the plan returned when the
-relaxation does not finish in time. (On today's problems the relaxation finishes in 2-3 s
-where the search from scratch took 3-5 s first and rarely came close enough: LLaMA-3 8B and
-70B on (8, 8) under budgets, ``benchmarks/plan_time.py``.)
+relaxation does not finish in time. (On large budgeted problems the relaxation usually
+finishes within that wait, and the search from scratch, slower still, rarely comes close
+enough to its bound to be accepted; ``benchmarks/plan_time.py`` times both.)
 
 A re-solve after the prices were refitted to the last plan (ShardingOptimizer.resolve)
 keeps that plan when, at the new prices, it is within ``fix_gap`` of the new relaxation's
@@ -91,10 +91,9 @@ class InfeasibleConstraintsError(ValueError):
 class _Basis:
     """A simplex basis for a re-solve of the same rows and columns at other prices, and
     which LP it is of: the relaxation with the budget rows (the re-solve's relaxation starts
-    there: on LLaMA-3 8B under a halfway budget 5.6 s against 8.9 s cold), or the priced
-    search's last LP, without them, where a slow relaxation handed over to the search from
-    scratch (the re-solve's priced search starts there: LLaMA-3 70B under 80 GB, 2.8 s cold
-    against 1.5 s)."""
+    there, usually faster than from no basis), or the priced search's last LP, without them,
+    where a slow relaxation handed over to the search from scratch (the re-solve's priced
+    search starts there, which likewise beats starting it cold)."""
 
     basis: highspy.HighsBasis
     of_relaxation: bool
@@ -248,8 +247,8 @@ def _run(
                 return _Outcome(highs, "Optimal", elapsed, "lp+kept", bound, kept, basis)
             relaxed = np.asarray(highs.getSolution().col_value)
             duals = np.asarray(highs.getSolution().row_dual)
-            # fixing first (on LLaMA-3 8B under a halfway budget it found the plan in
-            # 1-2 s, where the priced search took 2-4 s and missed), then the priced
+            # fixing first (on large budgeted problems it finds a plan sooner than the
+            # priced search, and closer to the bound), then the priced
             # search at the relaxation's duals where fixing found nothing close enough
             best = fixed_plan(
                 highs, problem, auxiliary, counts, options, remaining(), bound, relaxed
@@ -289,9 +288,8 @@ def _kept_plan(
 ) -> Candidate | None:
     """The last solve's plan, where it is within ``fix_gap`` of this relaxation's ``bound``
     at the prices now in ``highs``: a re-solve after the prices were refitted to that plan
-    (same rows, so it is still feasible) then needs no relax and fix. On LLaMA-3 8B on a
-    fake (8, 8), priced on a gloo profile, that re-solve had taken 30 s to return a plan
-    0.01 % dearer than the one it started from."""
+    (same rows, so it is still feasible) then needs no relax and fix, which on a large
+    problem can take long to return a plan no cheaper than the one it started from."""
     if warm_start is None or warm_start.plan_values is None:
         return None
     lp = highs.getLp()
@@ -312,14 +310,13 @@ def _kept_plan(
 WARM_START_FACTOR = 1.0
 WARM_START_MIN_S = 10.0
 """A relaxation started from an earlier solve's basis runs at most ``WARM_START_FACTOR``
-times what that solve's relaxation took from no basis (and at least ``WARM_START_MIN_S``)
-before it starts again from none. Usually the warm start is the faster (LLaMA-3 8B under a
-halfway budget: 5.6-7.3 s against 5.9-8.9 s cold, within the 10 s floor; 70B under 80 GB:
-under 1 s against 1.7 s), but not always: the 3-D test LLaMA's first refit took 43 s warm
-against 9-11 s cold, where the presolve a cold start runs shrinks the problem first. Once
-the warm start has run as long as a cold one would take, starting again costs at most that
-much more, and a warm start this slow is usually far slower (at twice, that test spent 22 s
-on it before starting again)."""
+times what that solve's relaxation took from no basis (and at least ``WARM_START_MIN_S``,
+so that the run-to-run spread of a relaxation of a few seconds does not cut a warm start
+short) before it starts again from none. Usually the warm start is the faster, but not
+always: where the presolve a cold start runs shrinks the problem first, a warm start can
+take several times as long. Once the warm start has run as long as a cold one would take,
+starting again costs at most that much more, and a warm start this slow is usually far
+slower (a larger factor only spends longer on it before starting again)."""
 
 
 def _first_relaxation(

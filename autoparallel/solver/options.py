@@ -35,11 +35,12 @@ class SolverOptions:
             slow (see ``budget_relaxation_wait_s``).
         budget_relaxation_wait_s: how long the relaxation with budget rows may run before
             the priced search from scratch takes over (the relaxation then runs on after
-            it); 2-3 s on LLaMA-3 8B and 70B on (8, 8) under their budgets.
-        relaxation_solver: HiGHS's LP solver for the relaxation: "simplex" (a vertex, fast
-            when the relaxation is integral: LLaMA-3 8B on (8, 8) 3.0 s against 18.1 s) or
-            "ipm" (interior point with crossover: faster on a hard memory budget, the tiny
-            LLaMA on (2, 2) at 70 % of its free peak 17 s against 60 s).
+            it); the relaxations of large budgeted problems usually finish well within the
+            default, which bounds what a slow one costs before the search starts.
+        relaxation_solver: HiGHS's LP solver for the relaxation: "simplex" (a vertex; several
+            times faster than "ipm" when the relaxation is integral, as without a budget) or
+            "ipm" (interior point with crossover: can be faster on a hard memory budget, one
+            well below the free plan's peak).
     """
 
     time_limit_s: float = 300.0

@@ -9,18 +9,16 @@ among its optima, and its vertices are integral plans. At that price a vertex ma
 the budget (the duals price memory at the margin only), so the price is scaled by ``t >= 1``:
 doubling until the plan meets every budget row, then bisecting for the smallest such ``t``,
 whose plan spends the least time among those found. Each step changes only the costs, so the
-simplex starts from the last basis (well under a second on LLaMA-3 8B, where the relaxation
-itself takes seconds).
+simplex starts from the last basis (a small fraction of what the relaxation itself takes).
 
 That is :func:`priced_plan`, run after a fractional relaxation. :func:`priced_from_scratch`
 runs before it, for a relaxation that may take minutes: without duals, it prices the mean of
 the budget rows, starting where the price adds 1 % to the budget-free plan's time; every LP
 it solves is also a Lagrangian lower bound on the optimum, so its plan comes with a gap.
 
-Either plan is feasible, not proven optimal: its gap is the duality gap of the budget (2.4 %
-at the duals, 8.7 % from scratch, on the 4-layer LLaMA-3 8B under a halfway budget with
-recomputation; within 1 % on the 32-layer 8B under 8 GiB in fp32). The caller decides whether
-that is close enough or improves it (``solver/highs.py``).
+Either plan is feasible, not proven optimal: its gap is the duality gap of the budget
+(usually wider from scratch than at the duals, which start it at the margin's price). The
+caller decides whether that is close enough or improves it (``solver/highs.py``).
 """
 
 from __future__ import annotations
@@ -210,9 +208,8 @@ def allow(highs: highspy.Highs, seconds: float, mip: bool = False) -> None:
 
     HiGHS's ``time_limit`` counts an LP's time over all the instance's runs, so a limit of
     "what is left" set after earlier runs would stop it at once; a MIP's counts from the
-    start of its own run. Measured on HiGHS 1.16 after a 2.7 s LP: an LP under a limit of
-    4 s stopped 1.2 s later; a MIP under run time + 5 s ran 9.7 s, under 5 s ran 6.8 s
-    (HiGHS stops a MIP only between its steps, here ~2 s past the limit)."""
+    start of its own run (so HiGHS 1.16 behaves; the limit set below follows both). HiGHS
+    stops a MIP only between its steps, so a MIP may run somewhat past its limit."""
     seconds = max(1e-3, seconds)
     highs.setOptionValue("time_limit", seconds if mip else highs.getRunTime() + seconds)
 

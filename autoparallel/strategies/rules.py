@@ -85,7 +85,7 @@ def shardable(
     model prices the largest. Every rank must get a non-empty piece, and an uneven piece at
     least ``MIN_UNEVEN_PIECE`` long: what uneven shards are for is a large dim that happens
     not to divide (a vocabulary of 50257); offering them for every small odd dim (a sequence
-    of 33, 3 heads) doubled the solve time of a 3-D problem for nothing. A tensor dim sharded
+    of 33, 3 heads) would enlarge every 3-D problem and its solve for nothing. A tensor dim sharded
     over several mesh dims must divide evenly (nested uneven pieces are not offered).
     """
     ndim = len(shape)

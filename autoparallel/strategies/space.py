@@ -138,7 +138,7 @@ def _question(node: fx.Node, options: dict[fx.Node, list[OutputPlacements]], ans
     A producer's options enter as one small integer per distinct option list (the lists are
     shared objects, see build_strategy_space, so each is hashed once per build): on a 3-D
     mesh a list holds ~200 placement tuples and spelling it out for every node of an
-    80-layer graph was most of this stage.
+    80-layer graph would be most of this stage.
     """
 
     def describe(arg: Any) -> Any:

@@ -3,7 +3,7 @@
 DTensor's strategies for view-like ops (view, reshape, expand, permute, ...), slice_backward,
 cat and linear reductions (sum, mean, ...) price every candidate they produce against every
 option of every input with ``generate_redistribute_costs``: quadratic in the options, which
-number in the hundreds on a 3-D mesh. That pricing was most of the strategies stage there,
+number in the hundreds on a 3-D mesh. That pricing is most of the strategies stage there,
 and we throw it away (pricing is our cost model's job). The functions below yield exactly
 the OpSpecs those DTensor functions yield (same placements, same input specs, same order, same deduplication) with no
 redistribution costs. They reuse DTensor's own pieces (its view dim maps and
@@ -13,7 +13,7 @@ Contract: :func:`strategies_without_pricing` answers with the OpSpecs the adapte
 got from DTensor for that schema (including its option-by-option retry, see
 dtensor_adapter._call_per_option), or None whenever that is not certain: an op we do not
 mirror, an argument shape we did not expect, or any error (DTensor then answers, errors
-included, as before).
+included, as it does without this module).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def strategies_without_pricing(
             return _cat_strategies(schema)
         if internals.is_dtensor_strategy(strategy_fn, "linear_reduction_strategy"):
             return _option_by_option(strategy_fn, schema)
-    except Exception as error:  # anything unexpected: DTensor answers as before
+    except Exception as error:  # anything unexpected: DTensor answers itself
         logger.debug("no unpriced strategies for %s (%s): asking DTensor", schema.op, error)
     return None
 
@@ -118,7 +118,7 @@ def _option_by_option(strategy_fn: Any, schema: Any) -> list | None:
     ``common_reduction_strategy`` on its own) this is exactly their answer for all options at
     once, while their pricing shrinks from every option against every option to each option
     against itself. If DTensor refuses any option we return None: its all-at-once call then
-    fails too and the adapter's retry answers as before.
+    fails too and the adapter's retry answers as it does without this module.
     """
     input_strategy = _single_input(schema)
     if input_strategy is None:

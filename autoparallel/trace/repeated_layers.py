@@ -1,7 +1,7 @@
 """Which layers of a model repeat, and the short models (3 and 4 layers) to trace instead.
 
-Tracing is torch's own per-op work, about 0.2 s per LLaMA layer on a laptop core, so an
-80-layer model would spend most of its planning time there. When a model's layers are
+Tracing is torch's own per-op work, paid again for every layer, so an 80-layer model
+would spend most of its planning time there. When a model's layers are
 identical modules we trace it twice with only its first 3 and first 4 layers and build the
 N-layer graph from those (``layer_stamping.py``; ``export.py`` runs both).
 
