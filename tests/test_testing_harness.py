@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,8 +46,17 @@ def _cores(rank: int, world_size: int) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def _hang(rank: int, world_size: int) -> None:
-    time.sleep(60)
+def _hang(rank: int, world_size: int, pid_dir: str) -> None:
+    Path(pid_dir, str(rank)).write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def make_batches() -> list[torch.Tensor]:
@@ -111,13 +121,10 @@ def test_pinned_ranks_run_on_one_core_each_in_turn():
     assert run_distributed(_cores, 2, timeout_s=60) == [cores, cores]  # unpinned by default
 
 
-def test_run_distributed_passes_arguments_well_within_60_s():
-    # Timed by hand (pytest-timeout is not a dependency); run_distributed's own timeout_s
-    # bounds the call, so this cannot hang either.
-    start = time.monotonic()
+def test_run_distributed_passes_arguments():
+    # run_distributed's own timeout_s bounds the call, so this cannot hang
     results = run_distributed(_all_reduce_rank, 2, 10, timeout_s=60, offset=0.5)
     assert [r["sum"] for r in results] == [31.0, 31.0]
-    assert time.monotonic() - start < 60
 
 
 def test_run_distributed_reports_the_failing_rank():
@@ -129,18 +136,19 @@ def test_run_distributed_reports_the_failing_rank():
 
 
 def test_a_failing_rank_does_not_leave_its_peer_hanging():
-    start = time.monotonic()
+    # a peer left hanging would end in run_distributed's "timed out" error instead
     with pytest.raises(RuntimeError, match="^rank 1 of 2 failed") as info:
         run_distributed(_fail_while_peer_waits, 2, timeout_s=60)
     assert "rank one failed before the collective" in str(info.value)
-    assert time.monotonic() - start < 45
+    assert "timed out" not in str(info.value)
 
 
-def test_run_distributed_times_out_and_kills_children():
-    start = time.monotonic()
+def test_run_distributed_times_out_and_kills_children(tmp_path):
     with pytest.raises(RuntimeError, match="timed out"):
-        run_distributed(_hang, 2, timeout_s=8)
-    assert time.monotonic() - start < 30
+        run_distributed(_hang, 2, str(tmp_path), timeout_s=30)
+    pids = [int(path.read_text()) for path in sorted(tmp_path.iterdir())]
+    assert len(pids) == 2
+    assert not any(_is_alive(pid) for pid in pids)
 
 
 def test_gather_full_leaves_plain_tensors_alone():
