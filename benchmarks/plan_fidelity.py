@@ -401,6 +401,16 @@ def _cell(result: dict) -> str:
     return f"{predicted:.3g}/{measured:.3g} ({100 * (predicted - measured) / measured:+.0f} %)"
 
 
+def _ranking(summary: dict) -> str:
+    """The figure's tail: how the recipes ranked, and the free plan against the best pinned."""
+    parts = [
+        f"{label} {summary[key]}"
+        for key, label in (("spearman", "Spearman"), ("free_over_best_pinned", "free/best pinned"))
+        if summary.get(key) is not None
+    ]
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def _errors(results: dict) -> list[float]:
     return [
         (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
@@ -420,7 +430,8 @@ def _figures(args: argparse.Namespace, tables: list) -> list[dict]:
             {
                 "question": f"{model}-{nproc}r{pinned}",
                 "what": f"predicted/measured step ms per recipe, {model}, {nproc} gloo ranks, {where}",
-                "figure": ", ".join(f"{v} {_cell(r)}" for v, r in results.items()),
+                "figure": ", ".join(f"{v} {_cell(r)}" for v, r in results.items())
+                + _ranking(summary),
                 "unit": "",
                 **summary,
                 "variants": results,
