@@ -32,8 +32,8 @@ then a table:
   model on the same data.
 
 Each of ours is also appended to ``benchmarks/results/moe_step_time.jsonl`` under the
-question ``moe-tiny-<nproc>r-<free|memory>``, its figure its step over FSDP2's and over
-FSDP2 + EP's.
+question ``moe-tiny-<nproc>r-<free|memory>`` (``-<preset>`` added when priced on a preset),
+its figure its step over FSDP2's and over FSDP2 + EP's.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any
 
 from autoparallel import measure_step
 from autoparallel._testing.harness import run_distributed
-from benchmarks.results import record
+from benchmarks.results import preset_suffix, record
 from benchmarks.workloads import (
     LR,
     MOE_TINY_WORKLOAD,
@@ -240,7 +240,8 @@ def _figures(args: argparse.Namespace, line: dict) -> list[dict]:
         ratios = [f"{ours['measured_ms'] / ms:.2f}x {name.upper()}" for name, ms in theirs.items()]
         figures.append(
             {
-                "question": f"{line['model']}-{args.nproc}r-{setting}",
+                "question": f"{line['model']}-{args.nproc}r-{setting}"
+                + preset_suffix(args.hardware),
                 "what": f"step time of {variant} over torch's, {line['model']}, "
                 f"{args.nproc} gloo ranks, mesh (dp, ep), priced on {args.hardware}",
                 "figure": ", ".join(ratios).replace("FSDP2+EP", "FSDP2 + EP"),

@@ -21,7 +21,7 @@ profiled ops' summed self time and the plan's prediction for the phase
 (``workloads.predicted_phase_ms``): wall minus ops is Python and dispatch between the ops.
 
 That last line is also appended to ``benchmarks/results/op_breakdown.jsonl`` under the
-question ``<model>-<recipe>-<phase>-<nproc>r``.
+question ``<model>-<recipe>-<phase>-<nproc>r`` (``-<preset>`` added when priced on a preset).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from autoparallel._testing.harness import run_distributed
-from benchmarks.results import record
+from benchmarks.results import preset_suffix, record
 from benchmarks.workloads import (
     PHASES,
     RECIPES,
@@ -189,8 +189,10 @@ def _figure(args: argparse.Namespace, result: dict) -> dict:
     """The results record of a run: the phase's wall time, its ops' time, the prediction."""
     ops_ms = sum(us for us, _ in result["measured"].values()) / 1e3
     return {
-        "question": f"{args.model}-{args.recipe}-{args.phase}-{args.nproc}r",
-        "what": f"{args.phase} per step, wall / profiled ops / predicted, {args.model}, "
+        "question": f"{args.model}-{args.recipe}-{args.phase}-{args.nproc}r"
+        + preset_suffix(args.hardware),
+        "what": f"{'whole step' if args.phase == 'step' else args.phase}, wall / profiled ops / "
+        f"predicted ms per step, {args.model}, "
         f"{args.recipe} plan, {args.nproc} gloo ranks, priced on {args.hardware}",
         "figure": f"{result['wall_ms']:.2f} / {ops_ms:.2f} / {result['predicted_ms']:.2f} ms",
         "unit": "",

@@ -45,7 +45,8 @@ Children's logs go to stderr. A variant that fails is reported with its error an
 still run.
 
 Every model and rank count is also appended to ``benchmarks/results/plan_fidelity.jsonl``
-under the question ``<model>-<nproc>r`` (``-pinned`` with ``--pin-cores``), its figure each
+under the question ``<model>-<nproc>r`` (then ``-pinned`` with ``--pin-cores``, and
+``-<preset>`` when priced on a preset rather than a calibrated profile), its figure each
 recipe's predicted / measured ms; the run as a whole adds ``cells-within-20pct`` (how many
 of our cells were predicted within 20 %).
 """
@@ -67,7 +68,7 @@ from typing import Any
 import torch
 
 from autoparallel._testing.harness import run_distributed
-from benchmarks.results import record
+from benchmarks.results import preset_suffix, record
 from benchmarks.workloads import (
     PHASES,
     RECIPES,
@@ -422,7 +423,7 @@ def _errors(results: dict) -> list[float]:
 def _figures(args: argparse.Namespace, tables: list) -> list[dict]:
     """The results records of a run: one per model and rank count, and the run's count of
     cells within ``WITHIN``."""
-    pinned = "-pinned" if args.pin_cores else ""
+    pinned = ("-pinned" if args.pin_cores else "") + preset_suffix(args.hardware)
     where = f"priced on {args.hardware}" + (", each rank on one core" if args.pin_cores else "")
     figures = []
     for model, nproc, results, summary in tables:

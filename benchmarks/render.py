@@ -42,6 +42,22 @@ TITLES = {
 }
 """Section titles, in the order the page lists them; other results files follow by name."""
 
+WRITTEN_BY = {
+    name: f"written by `python -m benchmarks.{name}`"
+    for name in (
+        "plan_time",
+        "step_time",
+        "moe_step_time",
+        "plan_fidelity",
+        "memory_fidelity",
+        "op_breakdown",
+    )
+} | {
+    "calibrate": "kept by hand: `autoparallel calibrate` writes a profile, not records",
+    "compat": "kept by hand from `make test` and `make compat TORCH=...`",
+}
+"""Where each results file's records come from."""
+
 
 class RenderError(Exception):
     """A results file or the README cannot be rendered; the message names where."""
@@ -172,11 +188,7 @@ def benchmark_section(name: str, records: list[Record]) -> list[str]:
         f"## {TITLES.get(name, name)}",
         "",
         f"From [`{RESULTS}/{name}.jsonl`](../{RESULTS}/{name}.jsonl)"
-        + (
-            f", written by `python -m benchmarks.{name}`."
-            if (ROOT / "benchmarks" / f"{name}.py").exists()
-            else "."
-        ),
+        + (f", {WRITTEN_BY[name]}." if name in WRITTEN_BY else "."),
         "",
         "| question | date | figure | what | note | commit | machine | command |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -69,6 +69,12 @@ def command(argv: list[str] | None = None) -> str:
     return " ".join([program, *args])
 
 
+def preset_suffix(hardware: str) -> str:
+    """The question key's tail for a hardware preset (``-cpu``); none for a calibrated
+    profile (``*.json``), the usual case, so runs on fresh profiles share their history."""
+    return "" if hardware.endswith(".json") else f"-{hardware}"
+
+
 def make_record(
     benchmark: str,
     question: str,

@@ -23,7 +23,8 @@ Comparisons, one JSON line each on stdout (children's output goes to stderr):
 
 ``ratio`` is ours / theirs (below 1: ours is faster). Each line is also appended to
 ``benchmarks/results/step_time.jsonl``, its figure that ratio, under the question
-``<model>-<nproc>r-<comparison>`` (``-pinned``, ``-separate`` where those flags are set); with
+``<model>-<nproc>r-<comparison>`` (then ``-pinned``, ``-separate`` where those flags are set,
+and ``-<preset>`` when priced on a preset rather than a calibrated profile); with
 ``--compile`` a second record, ``...-compiled``, holds compiled ours / eager ours.
 
 Every variant reports ``phase_ms``: the median milliseconds of the forward (with the loss),
@@ -61,7 +62,7 @@ from torch import nn
 
 from autoparallel import autoparallel_backend, measure_step
 from autoparallel._testing.harness import run_distributed
-from benchmarks.results import record
+from benchmarks.results import preset_suffix, record
 from benchmarks.workloads import (
     ROUND_WARMUP,
     WORKLOADS,
@@ -449,6 +450,7 @@ def _figures(args: argparse.Namespace, comparison: str, line: dict) -> list[dict
     key = f"{args.model}-{args.nproc}r-{comparison}"
     key += "-pinned" if args.pin_cores else ""
     key += "-separate" if args.separate else ""
+    key += preset_suffix(args.hardware)
     ours, theirs = THEIRS[comparison]
     setting = f"{args.model}, {args.nproc} gloo ranks, {args.steps} steps" + (
         ", each rank on one core" if args.pin_cores else ""
