@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test demo lint format venv clean compat
+.PHONY: test demo lint format venv clean compat docs
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: $(VENV)/.installed
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# docs/measurements.md and README's status figures, rewritten from benchmarks/results/*.jsonl
+docs: $(VENV)/.installed
+	$(PY) -m benchmarks.render
 
 # Plans 2 layers of LLaMA-3-8B on a fake (2, 4) mesh with its parameter placements, then all
 # 32 layers on a fake (8, 8) mesh with the `autoparallel` command, writing plan.html.

@@ -1,6 +1,6 @@
 """Predicted vs measured memory per device of our plans, component by component.
 
-    python benchmarks/memory_fidelity.py [--models mlp llama-tiny] [--nproc 2]
+    python -m benchmarks.memory_fidelity [--models mlp llama-tiny] [--nproc 2]
         [--recipes free ddp fsdp tp budget recompute] [--mixed-precision]
 
 For every model, one set of gloo ranks plans it once per recipe (``benchmarks/workloads.py``;
@@ -17,6 +17,10 @@ It prints one table per model with the plan's prediction (``plan.memory``) besid
 largest rank's measurement and the relative error, and one JSON line per model. The
 predicted ``peak`` has no measurement on CPU (no allocator statistics); on a CUDA machine,
 ``torch.cuda.max_memory_allocated`` is the figure to put beside it.
+
+Each model's line is also appended to ``benchmarks/results/memory_fidelity.jsonl`` under the
+question ``<model>-<nproc>r-<fp32|bf16>``, its figure how many of the measured components
+were predicted to the byte and the largest error of the others.
 """
 
 from __future__ import annotations
@@ -26,20 +30,15 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-if __package__ in (None, ""):  # run as a script from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from workloads import WORKLOADS, local_rows, loss_of, make_optimizer, plan_ours
-
 from autoparallel import measure_memory
 from autoparallel.runtime.launch import run_distributed
 from autoparallel.runtime.memory import COMPONENTS
+from benchmarks.results import record
+from benchmarks.workloads import WORKLOADS, local_rows, loss_of, make_optimizer, plan_ours
 
 RECIPES = ("free", "ddp", "fsdp", "tp", "budget", "recompute")
 BUDGET_SHARE = {"budget": 0.6, "recompute": 0.45}
@@ -172,7 +171,31 @@ def main(argv: list[str] | None = None) -> int:
         line = {"model": model, "nproc": args.nproc, "policy": policy, "results": results}
         print(json.dumps(line), flush=True)
         print("\n".join(_table(model, args.nproc, results, policy)), flush=True)
+        record("memory_fidelity", _figure(args, line), argv)
     return 1 if failed else 0
+
+
+def _figure(args: argparse.Namespace, line: dict) -> dict:
+    """The results record of one model: components predicted to the byte, largest error."""
+    errors = [
+        (result["predicted"][c] - result["measured"][c]) / result["measured"][c]
+        for result in line["results"].values()
+        if result["status"] == "ok"
+        for c in COMPONENTS
+        if result["measured"][c]
+    ]
+    exact = sum(error == 0 for error in errors)
+    largest = max((abs(error) for error in errors), default=0.0)
+    dtype = "bf16" if args.mixed_precision else "fp32"
+    return {
+        "question": f"{line['model']}-{args.nproc}r-{dtype}",
+        "what": f"memory per device predicted vs measured, {line['model']}, "
+        f"{args.nproc} gloo ranks, {line['policy']}, recipes {' '.join(args.recipes)}",
+        "figure": f"{exact} of {len(errors)} components to the byte, largest error "
+        f"{100 * largest:.1f} %",
+        "unit": "",
+        **line,
+    }
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Training-step time of the tiny mixture-of-experts model: ours against torch's FSDP2, with
 and without expert parallelism written by hand.
 
-    python benchmarks/moe_step_time.py [--nproc 4] [--steps 5] [--rounds 3] [--warmup 3]
+    python -m benchmarks.moe_step_time [--nproc 4] [--steps 5] [--rounds 3] [--warmup 3]
         [--hardware profile.json]
 
 The workload is ``workloads.MOE_TINY_WORKLOAD`` (``autoparallel.models.moe``, config
@@ -30,6 +30,10 @@ then a table:
 * ours' predicted step (``plan.totals.total_us``, priced on ``--hardware``);
 * the global loss after the last step. It should agree across variants: they train the same
   model on the same data.
+
+Each of ours is also appended to ``benchmarks/results/moe_step_time.jsonl`` under the
+question ``moe-tiny-<nproc>r-<free|memory>`` (``-<preset>`` added when priced on a preset),
+its figure its step over FSDP2's and over FSDP2 + EP's.
 """
 
 from __future__ import annotations
@@ -40,14 +44,12 @@ import os
 import statistics
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from workloads import (
+from autoparallel import measure_step
+from autoparallel.runtime.launch import run_distributed
+from benchmarks.results import preset_suffix, record
+from benchmarks.workloads import (
     LR,
     MOE_TINY_WORKLOAD,
     build_torch_fsdp2,
@@ -56,9 +58,6 @@ from workloads import (
     plan_ours,
     training_step,
 )
-
-from autoparallel import measure_step
-from autoparallel.runtime.launch import run_distributed
 
 VARIANTS = ("ours-free", "ours-memory", "fsdp2", "fsdp2+ep")
 
@@ -221,7 +220,38 @@ def main(argv: list[str] | None = None) -> int:
     line = {"model": MOE_TINY_WORKLOAD.name, "nproc": args.nproc, **settings, "variants": results}
     print(json.dumps(line), flush=True)
     print_table(results)
+    record("moe_step_time", _figures(args, line), argv)
     return 1 if any(r["status"] != "ok" for r in results.values()) else 0
+
+
+def _figures(args: argparse.Namespace, line: dict) -> list[dict]:
+    """The results records of a run: each of ours against FSDP2 and FSDP2 + EP."""
+    results = line["variants"]
+    theirs = {
+        name: results[name]["measured_ms"]
+        for name in ("fsdp2", "fsdp2+ep")
+        if results[name]["status"] == "ok"
+    }
+    figures = []
+    for variant, setting in (("ours-free", "free"), ("ours-memory", "memory")):
+        ours = results[variant]
+        if ours["status"] != "ok":
+            continue
+        ratios = [f"{ours['measured_ms'] / ms:.2f}x {name.upper()}" for name, ms in theirs.items()]
+        figures.append(
+            {
+                "question": f"{line['model']}-{args.nproc}r-{setting}"
+                + preset_suffix(args.hardware),
+                "what": f"step time of {variant} over torch's, {line['model']}, "
+                f"{args.nproc} gloo ranks, mesh (dp, ep), priced on {args.hardware}",
+                "figure": ", ".join(ratios).replace("FSDP2+EP", "FSDP2 + EP"),
+                "unit": "",
+                "measured_ms": ours["measured_ms"],
+                "predicted_ms": ours["predicted_ms"],
+                "theirs_ms": theirs,
+            }
+        )
+    return figures
 
 
 if __name__ == "__main__":

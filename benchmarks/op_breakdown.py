@@ -1,6 +1,6 @@
 """Where a plan's step time goes, op by op: measured (torch.profiler) beside priced.
 
-    python benchmarks/op_breakdown.py --hardware profile.json [--model llama-small]
+    python -m benchmarks.op_breakdown --hardware profile.json [--model llama-small]
         [--recipe free|ddp|fsdp|tp] [--nproc 2] [--steps 5] [--top 25]
         [--phase step|forward|backward|optimizer]
 
@@ -15,10 +15,13 @@ edges: ``comm`` in the totals line), and the copies the runtime adds. The profil
 microseconds per op, so small ops read high.
 
 ``--phase forward`` (or ``backward``, ``optimizer``) profiles only that part of each step
-(forward means the model and the loss, as ``plan_fidelity.py``'s phase split) and prices only
+(forward means the model and the loss, as ``plan_fidelity``'s phase split) and prices only
 that phase's nodes; the last line then sets the phase's wall time per step beside the
 profiled ops' summed self time and the plan's prediction for the phase
 (``workloads.predicted_phase_ms``): wall minus ops is Python and dispatch between the ops.
+
+That last line is also appended to ``benchmarks/results/op_breakdown.jsonl`` under the
+question ``<model>-<recipe>-<phase>-<nproc>r`` (``-<preset>`` added when priced on a preset).
 """
 
 from __future__ import annotations
@@ -30,14 +33,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from workloads import (
+from autoparallel.runtime.launch import run_distributed
+from benchmarks.results import preset_suffix, record
+from benchmarks.workloads import (
     PHASES,
     RECIPES,
     WORKLOADS,
@@ -47,8 +47,6 @@ from workloads import (
     plan_ours,
     predicted_phase_ms,
 )
-
-from autoparallel.runtime.launch import run_distributed
 
 
 def _breakdown_rank(rank: int, world_size: int, args: dict) -> dict:
@@ -183,7 +181,26 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = run_distributed(_breakdown_rank, args.nproc, settings, timeout_s=900)[0]
     print_breakdown(result, args.top)
+    record("op_breakdown", _figure(args, result), argv)
     return 0
+
+
+def _figure(args: argparse.Namespace, result: dict) -> dict:
+    """The results record of a run: the phase's wall time, its ops' time, the prediction."""
+    ops_ms = sum(us for us, _ in result["measured"].values()) / 1e3
+    return {
+        "question": f"{args.model}-{args.recipe}-{args.phase}-{args.nproc}r"
+        + preset_suffix(args.hardware),
+        "what": f"{'whole step' if args.phase == 'step' else args.phase}, wall / profiled ops / "
+        f"predicted ms per step, {args.model}, "
+        f"{args.recipe} plan, {args.nproc} gloo ranks, priced on {args.hardware}",
+        "figure": f"{result['wall_ms']:.2f} / {ops_ms:.2f} / {result['predicted_ms']:.2f} ms",
+        "unit": "",
+        "wall_ms": round(result["wall_ms"], 3),
+        "ops_ms": round(ops_ms, 3),
+        "predicted_ms": round(result["predicted_ms"], 3),
+        "totals_ms": result["totals_ms"],
+    }
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """Predicted vs measured step time of our plans, pinned to the hand recipes and free.
 
-    python benchmarks/plan_fidelity.py --hardware profile.json [--models mlp llama-tiny llama-small]
-        [--nproc 2 4] [--steps 5] [--rounds 3] [--warmup 3]
-        [--recipes free ddp fsdp tp free-twin recompute]
-        [--no-torch]
+    python -m benchmarks.plan_fidelity --hardware profile.json
+        [--models mlp llama-tiny llama-small] [--nproc 2 4] [--steps 5] [--rounds 3]
+        [--warmup 3] [--recipes free ddp fsdp tp free-twin recompute] [--no-torch]
 
 ``--pin-cores`` binds each rank to one core (``autoparallel.runtime.launch.pin_to_core``);
 calibrate the profile with ``--pin-cores`` too.
@@ -44,6 +43,12 @@ of them, and takes each one's median step of the slowest rank
 
 Children's logs go to stderr. A variant that fails is reported with its error and the others
 still run.
+
+Every model and rank count is also appended to ``benchmarks/results/plan_fidelity.jsonl``
+under the question ``<model>-<nproc>r`` (then ``-pinned`` with ``--pin-cores``, and
+``-<preset>`` when priced on a preset rather than a calibrated profile), its figure each
+recipe's predicted / measured ms; the run as a whole adds ``cells-within-20pct`` (how many
+of our cells were predicted within 20 %).
 """
 
 from __future__ import annotations
@@ -58,16 +63,13 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # run as a script from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from workloads import (
+from autoparallel.runtime.launch import run_distributed
+from benchmarks.results import preset_suffix, record
+from benchmarks.workloads import (
     PHASES,
     RECIPES,
     WORKLOADS,
@@ -81,8 +83,6 @@ from workloads import (
     round_robin,
     training_step,
 )
-
-from autoparallel.runtime.launch import run_distributed
 
 TORCH_VARIANTS = ("torch-ddp", "torch-fsdp2")
 
@@ -383,7 +383,74 @@ def main(argv: list[str] | None = None) -> int:
             tables.append((model, nproc, results, summary))
     for table in tables:
         print_table(*table)
+    if tables:
+        record("plan_fidelity", _figures(args, tables), argv)
     return 1 if failed else 0
+
+
+WITHIN = 0.2
+"""A cell counts as predicted well when its error is within this share of the measurement."""
+
+
+def _cell(result: dict) -> str:
+    """``predicted/measured (error)`` of one variant, in ms."""
+    if result["status"] != "ok":
+        return "failed"
+    measured, predicted = result["measured_ms"], result.get("predicted_ms")
+    if predicted is None:
+        return f"{measured:.3g}"
+    return f"{predicted:.3g}/{measured:.3g} ({100 * (predicted - measured) / measured:+.0f} %)"
+
+
+def _ranking(summary: dict) -> str:
+    """The figure's tail: how the recipes ranked, and the free plan against the best pinned."""
+    parts = [
+        f"{label} {summary[key]}"
+        for key, label in (("spearman", "Spearman"), ("free_over_best_pinned", "free/best pinned"))
+        if summary.get(key) is not None
+    ]
+    return "; " + ", ".join(parts) if parts else ""
+
+
+def _errors(results: dict) -> list[float]:
+    return [
+        (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+        for r in results.values()
+        if r["status"] == "ok" and r.get("predicted_ms") is not None
+    ]
+
+
+def _figures(args: argparse.Namespace, tables: list) -> list[dict]:
+    """The results records of a run: one per model and rank count, and the run's count of
+    cells within ``WITHIN``."""
+    pinned = ("-pinned" if args.pin_cores else "") + preset_suffix(args.hardware)
+    where = f"priced on {args.hardware}" + (", each rank on one core" if args.pin_cores else "")
+    figures = []
+    for model, nproc, results, summary in tables:
+        figures.append(
+            {
+                "question": f"{model}-{nproc}r{pinned}",
+                "what": f"predicted/measured step ms per recipe, {model}, {nproc} gloo ranks, {where}",
+                "figure": ", ".join(f"{v} {_cell(r)}" for v, r in results.items())
+                + _ranking(summary),
+                "unit": "",
+                **summary,
+                "variants": results,
+            }
+        )
+    errors = [e for _, _, results, _ in tables for e in _errors(results)]
+    within = sum(abs(e) <= WITHIN for e in errors)
+    figures.append(
+        {
+            "question": f"cells-within-20pct{pinned}",
+            "what": f"our cells predicted within 20 % of measured, {where}",
+            "figure": f"{within} of {len(errors)}",
+            "unit": "",
+            "models": [model for model, *_ in tables],
+            "nproc": args.nproc,
+        }
+    )
+    return figures
 
 
 if __name__ == "__main__":

@@ -4,13 +4,17 @@ Prints one JSON line: stage times in seconds, problem size before and after fold
 objective and the peak RSS. Nothing is allocated for the model (meta device) and nothing
 communicates (fake process group).
 
-    python benchmarks/plan_time.py --model llama3-8b --mesh 8x8
-    python benchmarks/plan_time.py --model llama3-70b --mesh 4x8x8 --layers 80
-    python benchmarks/plan_time.py --model llama3-8b --mesh 4x8x8 --layers 2 --build-only
-    python benchmarks/plan_time.py --model hf-llama3-8b --mesh 8x8   # transformers' LlamaForCausalLM
-    python benchmarks/plan_time.py --model llama3-8b --mesh 8x8 --mixed-precision \
+    python -m benchmarks.plan_time --model llama3-8b --mesh 8x8
+    python -m benchmarks.plan_time --model llama3-70b --mesh 4x8x8 --layers 80
+    python -m benchmarks.plan_time --model llama3-8b --mesh 4x8x8 --layers 2 --build-only
+    python -m benchmarks.plan_time --model hf-llama3-8b --mesh 8x8   # transformers' LlamaForCausalLM
+    python -m benchmarks.plan_time --model llama3-8b --mesh 8x8 --mixed-precision \
         --memory-budget halfway --activation-checkpointing auto
-    python benchmarks/plan_time.py --model moe-16b --mesh 8x8   # mesh dims named dp, ep
+    python -m benchmarks.plan_time --model moe-16b --mesh 8x8   # mesh dims named dp, ep
+
+The line is also appended to ``benchmarks/results/plan_time.jsonl`` (``benchmarks.results``),
+its figure the total planning time, under a question key built from the arguments
+(``question``); ``--build-only`` runs are not recorded.
 
 ``moe-tiny`` and ``moe-16b`` are the mixture-of-experts reference model
 (``autoparallel.models.moe``); its routed experts are split over the mesh dim named ``ep``,
@@ -43,6 +47,7 @@ from autoparallel import AutoParallel, fake_mesh
 from autoparallel.cli.common import parse_bytes
 from autoparallel.models import Llama, llama_config
 from autoparallel.models.moe import MoETransformer, moe_config
+from benchmarks.results import record
 
 MOE_MODELS = ("moe-tiny", "moe-16b")
 MOE_MESH_NAMES = {1: ("ep",), 2: ("dp", "ep"), 3: ("dp", "ep", "tp")}
@@ -118,6 +123,53 @@ def unfolded_size(problem) -> tuple[int, int]:
         len(e.src_options) + len(e.dst_options) for e in tables.edges
     )
     return variables, constraints
+
+
+def question(args: argparse.Namespace) -> str:
+    """The results key of a run: the model and mesh, then every setting off its default."""
+    parts = [args.model, args.mesh]
+    if args.layers is not None:
+        parts.append(f"layers{args.layers}")
+    if args.batch != 8 or args.seq != 2048:
+        parts.append(f"b{args.batch}s{args.seq}")
+    if args.mixed_precision:
+        parts.append("bf16")
+    if args.memory_budget is not None:
+        parts.append(f"budget-{args.memory_budget}")
+    if args.activation_checkpointing != "off":
+        parts.append(f"ac-{args.activation_checkpointing}")
+    if args.hardware != "h100":
+        parts.append("profile" if args.hardware.endswith(".json") else args.hardware)
+    if args.trace_all_layers:
+        parts.append("trace-all-layers")
+    if args.no_fold:
+        parts.append("unfolded")
+    if args.no_lp_first:
+        parts.append("no-lp-first")
+    return "-".join(parts)
+
+
+def describe(args: argparse.Namespace, layers: int) -> str:
+    """One line saying what a run planned."""
+    budget = (
+        "parameter memory constraint"
+        if args.memory_budget is None
+        else f"memory budget {args.memory_budget}"
+        + ("" if args.memory_budget == "halfway" else " GiB")
+    )
+    extras = [
+        "bf16 policy" if args.mixed_precision else "",
+        f"recomputation {args.activation_checkpointing}"
+        if args.activation_checkpointing != "off"
+        else "",
+        "every layer traced" if args.trace_all_layers else "",
+        "unfolded" if args.no_fold else "",
+        f"priced on {args.hardware}",
+    ]
+    return ", ".join(
+        [f"planning time, {args.model}, {layers} layers, mesh {args.mesh}, {budget}"]
+        + [extra for extra in extras if extra]
+    )
 
 
 def main() -> None:
@@ -235,54 +287,60 @@ def main() -> None:
             autop.add_memory_constraint(budget, activation_checkpointing="all")
             every_layer = autop.optimize_placement()
     variables_before, constraints_before = unfolded_size(problem)
-    print(
-        json.dumps(
+    line = {
+        "model": args.model,
+        "layers": config.n_layers,
+        "mesh": list(shape),
+        "batch": args.batch,
+        "seq": args.seq,
+        "fold": not args.no_fold,
+        "layers_traced_once": problem.joint.layers_traced_once is not None,
+        "trace_s": round(stages["trace"], 2),
+        "strategies_s": round(stages["strategies"], 2),
+        "cost_s": round(stages["cost"], 2),
+        "fold_s": round(stages.get("fold", 0.0), 2),
+        "build_s": round(stages["build"], 2),
+        "solve_s": round(stages.get("solve", 0.0), 2),
+        "total_s": round(total, 2),
+        "nodes": len(problem.space.nodes),
+        "node_classes": problem.folding.num_classes
+        if problem.folding
+        else len(problem.space.nodes),
+        "variables_before_folding": variables_before,
+        "constraints_before_folding": constraints_before,
+        "variables": problem.num_variables,
+        "constraints": problem.num_constraints,
+        "edges": len(problem.tables.edges),
+        "edges_as_route_flows": problem.edge_encodings.count("routes"),
+        "objective_us": round(plan.solver.objective, 2) if plan else None,
+        "solver_status": plan.solver.status if plan else "not solved (--build-only)",
+        "solved_by": plan.solver.method if plan else None,
+        "memory_budget_gib": round(budget / 2**30, 3) if budget else None,
+        "predicted_peak_gib": round(plan.memory.peak / 2**30, 3) if plan else None,
+        "mixed_precision": args.mixed_precision,
+        "activation_checkpointing": args.activation_checkpointing,
+        "recomputed_layers": len(plan.recompute) if plan else None,
+        "recompute_us": round(plan.memory.recompute_us, 1) if plan else None,
+        "every_layer_objective_us": round(every_layer.solver.objective, 2) if every_layer else None,
+        "every_layer_recomputed": len(every_layer.recompute) if every_layer else None,
+        **reference,
+        "param_placements": sorted({str(p) for p in plan.param_placements.values()})
+        if plan
+        else None,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+    print(json.dumps(line))
+    if plan is not None:
+        record(
+            "plan_time",
             {
-                "model": args.model,
-                "layers": config.n_layers,
-                "mesh": list(shape),
-                "batch": args.batch,
-                "seq": args.seq,
-                "fold": not args.no_fold,
-                "layers_traced_once": problem.joint.layers_traced_once is not None,
-                "trace_s": round(stages["trace"], 2),
-                "strategies_s": round(stages["strategies"], 2),
-                "cost_s": round(stages["cost"], 2),
-                "fold_s": round(stages.get("fold", 0.0), 2),
-                "build_s": round(stages["build"], 2),
-                "solve_s": round(stages.get("solve", 0.0), 2),
-                "total_s": round(total, 2),
-                "nodes": len(problem.space.nodes),
-                "node_classes": problem.folding.num_classes
-                if problem.folding
-                else len(problem.space.nodes),
-                "variables_before_folding": variables_before,
-                "constraints_before_folding": constraints_before,
-                "variables": problem.num_variables,
-                "constraints": problem.num_constraints,
-                "edges": len(problem.tables.edges),
-                "edges_as_route_flows": problem.edge_encodings.count("routes"),
-                "objective_us": round(plan.solver.objective, 2) if plan else None,
-                "solver_status": plan.solver.status if plan else "not solved (--build-only)",
-                "solved_by": plan.solver.method if plan else None,
-                "memory_budget_gib": round(budget / 2**30, 3) if budget else None,
-                "predicted_peak_gib": round(plan.memory.peak / 2**30, 3) if plan else None,
-                "mixed_precision": args.mixed_precision,
-                "activation_checkpointing": args.activation_checkpointing,
-                "recomputed_layers": len(plan.recompute) if plan else None,
-                "recompute_us": round(plan.memory.recompute_us, 1) if plan else None,
-                "every_layer_objective_us": round(every_layer.solver.objective, 2)
-                if every_layer
-                else None,
-                "every_layer_recomputed": len(every_layer.recompute) if every_layer else None,
-                **reference,
-                "param_placements": sorted({str(p) for p in plan.param_placements.values()})
-                if plan
-                else None,
-                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            }
+                "question": question(args),
+                "what": describe(args, config.n_layers),
+                "figure": line["total_s"],
+                "unit": "s",
+                **line,
+            },
         )
-    )
     dist.destroy_process_group()
 
 

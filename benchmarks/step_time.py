@@ -1,7 +1,7 @@
 """Training-step time of autoparallel's parallel module vs torch's FSDP2 and DDP, on gloo CPU.
 
-    python benchmarks/step_time.py --model mlp|llama-tiny|llama-small --nproc 2 --steps 10 --warmup 3
-        [--rounds 3 | --separate] [--compile]
+    python -m benchmarks.step_time --model mlp|llama-tiny|llama-small --nproc 2 --steps 10 \
+        --warmup 3 [--rounds 3 | --separate] [--compile]
 
 Every variant trains the same workload (``benchmarks/workloads.py``: same init, seed 0), on
 the same 1-D mesh of ``--nproc`` CPU ranks, with the same global batch split by rows (each
@@ -21,7 +21,11 @@ Comparisons, one JSON line each on stdout (children's output goes to stderr):
 * ``memory``: ours planned with ``add_parameter_memory_constraint()`` vs ``fully_shard``.
 * ``free``:   ours planned without a memory constraint vs ``DistributedDataParallel``.
 
-``ratio`` is ours / theirs (below 1: ours is faster).
+``ratio`` is ours / theirs (below 1: ours is faster). Each line is also appended to
+``benchmarks/results/step_time.jsonl``, its figure that ratio, under the question
+``<model>-<nproc>r-<comparison>`` (then ``-pinned``, ``-separate`` where those flags are set,
+and ``-<preset>`` when priced on a preset rather than a calibrated profile); with
+``--compile`` a second record, ``...-compiled``, holds compiled ours / eager ours.
 
 Every variant reports ``phase_ms``: the median milliseconds of the forward (with the loss),
 the backward and the optimizer step, on rank 0's clock. Ours also reports
@@ -50,18 +54,16 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if __package__ in (None, ""):  # run as a script from a checkout: make `autoparallel` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from workloads import (
+from autoparallel import autoparallel_backend, measure_step
+from autoparallel.runtime.launch import run_distributed
+from benchmarks.results import preset_suffix, record
+from benchmarks.workloads import (
     ROUND_WARMUP,
     WORKLOADS,
     TimedRun,
@@ -74,9 +76,6 @@ from workloads import (
     round_robin,
     training_step,
 )
-
-from autoparallel import autoparallel_backend, measure_step
-from autoparallel.runtime.launch import run_distributed
 
 MODELS = tuple(WORKLOADS)
 COMPILED = "+compile"
@@ -439,7 +438,43 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         print(json.dumps(line), flush=True)
+        record("step_time", _figures(args, comparison, line), argv)
     return 1 if failed else 0
+
+
+THEIRS = {"memory": ("ours (parameter memory constraint)", "FSDP2"), "free": ("ours (free)", "DDP")}
+
+
+def _figures(args: argparse.Namespace, comparison: str, line: dict) -> list[dict]:
+    """The results records of one comparison: ours / theirs, and compiled / eager ours."""
+    key = f"{args.model}-{args.nproc}r-{comparison}"
+    key += "-pinned" if args.pin_cores else ""
+    key += "-separate" if args.separate else ""
+    key += preset_suffix(args.hardware)
+    ours, theirs = THEIRS[comparison]
+    setting = f"{args.model}, {args.nproc} gloo ranks, {args.steps} steps" + (
+        ", each rank on one core" if args.pin_cores else ""
+    )
+    figures = [
+        {
+            "question": key,
+            "what": f"step time, {ours} / torch {theirs}, {setting}",
+            "figure": line["ratio_ours_over_theirs"],
+            "unit": "x",
+            **line,
+        }
+    ]
+    if "ratio_compiled_over_eager" in line:
+        figures.append(
+            {
+                "question": key + "-compiled",
+                "what": f"step time, {ours} compiled / eager, {setting}",
+                "figure": line["ratio_compiled_over_eager"],
+                "unit": "x",
+                "ratio_compiled_over_theirs": line["ratio_compiled_over_theirs"],
+            }
+        )
+    return figures
 
 
 if __name__ == "__main__":
