@@ -7,9 +7,11 @@ from autoparallel.regions import LocalMapError, collectives, current_mesh, local
 from autoparallel.runtime import (
     InputMismatchError,
     MeasuredMemory,
+    RankLostError,
     StepTiming,
     measure_memory,
     measure_step,
+    translate_rank_loss,
 )
 from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError
@@ -32,6 +34,8 @@ __all__ = [
     "current_mesh",
     "collectives",
     "InputMismatchError",
+    "RankLostError",
+    "translate_rank_loss",
     "measure_step",
     "StepTiming",
     "measure_memory",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch.nn as nn
@@ -263,8 +264,18 @@ class AutoParallel:
             )
         return names
 
-    def apply_placement(self, plan: Plan | None = None) -> nn.Module:
-        """The parallel module for ``plan`` (default: the last solution); see runtime/module.py."""
+    def apply_placement(
+        self, plan: Plan | None = None, collective_timeout: float | timedelta | None = None
+    ) -> nn.Module:
+        """The parallel module for ``plan`` (default: the last solution); see runtime/module.py.
+
+        ``collective_timeout`` (seconds or a timedelta): the longest any later collective on
+        the mesh's process groups waits for a peer (``ProcessGroup.set_timeout`` on each; None
+        keeps their timeouts, torch's default 30 minutes on gloo). A rank lost in the middle
+        of a step then raises ``RankLostError`` on the others within about that time, naming
+        it where it can be known (see runtime/faults.py). Collective on a real mesh: every
+        rank calls it.
+        """
         optimizer = self.sharding_optimizer
         plan = plan or optimizer.get_solution()
         problem = optimizer.problem
@@ -277,6 +288,7 @@ class AutoParallel:
             self.mesh,
             dynamic=self.dynamic,
             mp_policy=self.mp_policy,
+            collective_timeout=collective_timeout,
         )
         self.stage_times_s["apply"] = time.perf_counter() - start
         return module
@@ -332,6 +344,7 @@ def auto_parallel(
     optimizer: str | float = "adamw",
     activation_checkpointing: str = "off",
     dynamic: bool = False,
+    collective_timeout: float | timedelta | None = None,
     **planner_options: Any,
 ) -> nn.Module:
     """Plan and apply in one call; returns the parallel module.
@@ -350,6 +363,8 @@ def auto_parallel(
             ``None`` adds no constraint.
         dynamic: accept other input sizes at run time without planning again (see
             :class:`AutoParallel`).
+        collective_timeout: seconds (or a timedelta) any collective on the mesh's groups
+            waits for a peer; see :meth:`AutoParallel.apply_placement`.
         planner_options: passed to :class:`AutoParallel` (hardware, gpus_per_node, ...).
     """
     from torch.distributed.tensor import DTensor, Replicate
@@ -392,4 +407,4 @@ def auto_parallel(
         if memory_budget is not None:
             autop.add_memory_constraint(memory_budget, optimizer, activation_checkpointing)
         plan = autop.optimize_placement()
-        return autop.apply_placement(plan)
+        return autop.apply_placement(plan, collective_timeout=collective_timeout)

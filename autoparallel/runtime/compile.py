@@ -7,11 +7,14 @@ torch's functional collectives (see runtime/module.py); the compiler then turns 
 result into kernels. Gradients, losses and placements are those of the eager module.
 
 Without a CUDA device the default compiler, Inductor, emits C++ for the CPU; the
-collectives stay calls into the process group (gloo or nccl).
+collectives stay calls into the process group (gloo or nccl). A compiled forward raises
+``RankLostError`` for a lost peer as the eager one does; the compiled backward runs inside
+autograd, out of this backend's reach (wrap the step in ``translate_rank_loss()``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import torch.fx as fx
 
 from autoparallel import _torch_internals as internals
+from autoparallel.runtime.faults import translate_rank_loss
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,13 @@ def autoparallel_backend(
         logger.info(
             "autoparallel_backend: compiling a captured graph of %d calls with %s", calls, compiler
         )
-        return backend(graph_module, example_inputs)
+        compiled = backend(graph_module, example_inputs)
+
+        @functools.wraps(compiled)  # keeps how Dynamo calls it (``_boxed_call``)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with translate_rank_loss():
+                return compiled(*args, **kwargs)
+
+        return run
 
     return compile_graph

@@ -368,7 +368,12 @@ class RankPool:
         self.close()
 
 
-_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+_PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "RankLostError",
+)
 
 
 def _is_peer_loss(text: str) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,6 +35,11 @@ from autoparallel.regions.context import RegionScope, register_running_scope
 from autoparallel.runtime.coalesce import reduce_gradients
 from autoparallel.runtime.dynamic import ShapeVariants
 from autoparallel.runtime.executor import JointExecutor
+from autoparallel.runtime.faults import (
+    set_collective_timeout,
+    share_peer_addresses,
+    translate_rank_loss,
+)
 from autoparallel.runtime.init import (
     INIT_METHODS,
     data_assignment_error,
@@ -64,12 +70,20 @@ def apply_placement(
     mesh: DeviceMesh,
     dynamic: bool = False,
     mp_policy: Any = None,
+    collective_timeout: float | timedelta | None = None,
 ) -> nn.Module:
     """Build the parallel module of ``model`` for ``plan`` (see the module docstring).
 
     With ``dynamic`` the module also accepts inputs of other sizes (see runtime/dynamic.py);
     ``mp_policy`` is then needed to trace the model again as it was planned.
+    ``collective_timeout`` (seconds or a timedelta) bounds every later collective on the
+    mesh's process groups (None leaves their timeouts as they are); a rank lost during a
+    step raises ``RankLostError`` on the others (runtime/faults.py). On a real gloo mesh
+    this is collective: every rank of the mesh calls it.
     """
+    if collective_timeout is not None:
+        set_collective_timeout(mesh, collective_timeout)
+    share_peer_addresses(mesh)
     device = torch.device(mesh.device_type)
     local_sources = {node.name for node, ns in space.nodes.items() if ns.source in LOCAL_SOURCES}
 
@@ -381,7 +395,8 @@ class _JointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime: _Runtime, num_params: int, num_buffers: int, *flat: torch.Tensor):
-        results = runtime.forward_phase(*flat)
+        with translate_rank_loss():
+            results = runtime.forward_phase(*flat)
         num_outputs = len(runtime.output_indices)
         ctx.runtime = runtime
         ctx.counts = (num_params, num_buffers, len(flat) - num_params - num_buffers)
@@ -392,7 +407,8 @@ class _JointFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor):
         runtime: _Runtime = ctx.runtime
         num_params, num_buffers, num_inputs = ctx.counts
-        grads = iter(runtime.backward_phase(*ctx.saved_tensors, *grad_outputs))
+        with translate_rank_loss():
+            grads = iter(runtime.backward_phase(*ctx.saved_tensors, *grad_outputs))
         with_grad = set(runtime.params_with_grad)
         param_grads = [next(grads) if name in with_grad else None for name in runtime.joint.params]
         inputs_with_grad = set(runtime.inputs_with_grad)
@@ -414,7 +430,8 @@ def _run_joint(
 
 @internals.nonstrict_trace
 def _run_inference(runtime: _Runtime, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(runtime.inference_phase(*flat))
+    with translate_rank_loss():
+        return tuple(runtime.inference_phase(*flat))
 
 
 class _UnwrapParameters(torch.autograd.Function):
