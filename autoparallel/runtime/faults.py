@@ -150,15 +150,15 @@ def as_rank_lost(error: BaseException) -> RankLostError | None:
     if closed is not None:
         address = _ADDRESS.search(text)
         lost = _rank_at_port(int(address.group(2)), me) if address else None
-        if lost is None and address is None:
-            lost = _only_peer(me)
-        where = f" [{address.group(1)}]:{address.group(2)}" if address else ""
-        what = f"gloo: {closed.group(1).lower()}{where}"
+        if lost is None and (address is None or not any(_PEER_PORTS.values())):
+            lost = _only_peer(me)  # no address, or none could be read: the only peer, if one
+        phrase = closed.group(1).lower()
         head = (
-            f"rank {lost} was lost: its connection to rank {me} broke ({what})"
+            f"rank {lost} was lost: its connection to rank {me} broke (gloo: {phrase})"
             if lost is not None
-            else f"a peer rank was lost: its connection to rank {me} broke ({what}; "
-            "the launcher's log names the rank that exited first)"
+            else f"a peer rank was lost: its connection to rank {me} broke (gloo: {phrase}"
+            + (f" [{address.group(1)}]:{address.group(2)}" if address else "")
+            + "; the launcher's log names the rank that exited first)"
         )
         return RankLostError(f"{head}; {RESTART}", me, lost, timed_out=False)
     assert timed_out is not None
@@ -167,8 +167,8 @@ def as_rank_lost(error: BaseException) -> RankLostError | None:
     head = (
         f"rank {lost} did not answer rank {me} {waited} (dead or hung)"
         if lost is not None
-        else f"a peer rank did not answer rank {me} {waited} (dead or hung; the launcher's "
-        "log names the rank that exited first)"
+        else f"a peer rank did not answer rank {me} {waited} (dead or hung: the rank that "
+        "does not report this error is the one)"
     )
     return RankLostError(f"{head}; {RESTART}", me, lost, timed_out=True)
 
