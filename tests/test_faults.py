@@ -37,6 +37,7 @@ def test_lost_rank_is_named_by_the_survivor(tmp_path, how):
     assert found["type"] == "RankLostError", found
     assert found["lost_rank"] == 1
     assert found["timed_out"] == (how == "hang")
+    assert found["phase"] == {"kill": "forward", "hang": "backward"}[how]  # both translate
     message = found["message"]
     assert "\n" not in message
     assert message.startswith("rank 1 ")
@@ -119,3 +120,15 @@ def test_translate_rank_loss_keeps_other_errors_and_the_cause():
     with pytest.raises(RankLostError) as lost, translate_rank_loss():
         raise RuntimeError(TIMED_OUT)
     assert "Timed out waiting" in str(lost.value.__cause__)
+
+
+def test_rank_lost_error_pickles_whole():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(RankLostError("rank 1 was lost", 0, 1, False)))
+    assert (str(error), error.rank, error.lost_rank, error.timed_out) == (
+        "rank 1 was lost",
+        0,
+        1,
+        False,
+    )

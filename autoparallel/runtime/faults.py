@@ -63,6 +63,9 @@ class RankLostError(RuntimeError):
         self.lost_rank = lost_rank
         self.timed_out = timed_out
 
+    def __reduce__(self) -> tuple:  # pickles whole (the base class would pass the message only)
+        return (type(self), (str(self), self.rank, self.lost_rank, self.timed_out))
+
 
 def set_collective_timeout(mesh: DeviceMesh, timeout: float | timedelta) -> timedelta:
     """Bound every later collective on the mesh's process groups by ``timeout`` (seconds or

@@ -67,19 +67,25 @@ def _global_loss(output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 def lose_rank_mid_step(
     rank: int, world_size: int, how: str, directory: str, collective_timeout: float
 ) -> None:
-    """Train; at step 1 the last rank dies (``how="kill"``: ``os._exit`` between its forward
-    and its backward) or hangs (``how="hang"``: sleeps there, its sockets open, until the
-    others have reported). Each other rank writes what its step raised to
-    ``directory/rank<r>.json``: ``{"type", "message", "lost_rank", "timed_out"}``."""
+    """Train; at step 1 the last rank dies (``how="kill"``: ``os._exit`` before its forward,
+    so the others fail in their forward's parameter gathers) or hangs (``how="hang"``: it
+    sleeps between its forward and its backward, its sockets open, until the others have
+    reported, so they fail in their backward's gradient reductions). Each other rank writes
+    what its step raised to ``directory/rank<r>.json``: ``{"type", "message", "lost_rank",
+    "timed_out", "phase"}`` (phase: "forward" or "backward", the call that raised)."""
     mesh = init_device_mesh("cpu", (world_size,))
     parallel, optimizer = parallel_mlp(mesh, collective_timeout)
     victim = world_size - 1
     report = Path(directory) / f"rank{rank}.json"
     for step in range(3):
+        phase = "forward"
         try:
+            if step == 1 and rank == victim and how == "kill":
+                os._exit(17)
             output = parallel(_rows(batch_at(step), mesh))
-            if step == 1 and rank == victim:
-                _fail(how, directory, world_size)
+            if step == 1 and rank == victim and how == "hang":
+                _hang(directory, world_size)
+            phase = "backward"
             _global_loss(output, mesh).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -89,16 +95,15 @@ def lose_rank_mid_step(
                 "message": str(error),
                 "lost_rank": error.lost_rank,
                 "timed_out": error.timed_out,
+                "phase": phase,
             }
             report.write_text(json.dumps(found))
             return
     report.write_text(json.dumps({"type": None, "message": "every step finished"}))
 
 
-def _fail(how: str, directory: str, world_size: int) -> None:
-    if how == "kill":
-        os._exit(17)
-    # a hung rank: alive, connections open, never sending; it goes once the others reported
+def _hang(directory: str, world_size: int) -> None:
+    """Alive, connections open, never sending; the rank goes once the others reported."""
     survivors = [Path(directory) / f"rank{r}.json" for r in range(world_size - 1)]
     while not all(path.exists() for path in survivors):
         time.sleep(0.05)
