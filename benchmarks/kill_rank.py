@@ -18,19 +18,17 @@ launch's figure is its slowest survivor. The goal is every survivor within 2x th
 reported per mode: how many survivors raised ``RankLostError`` and how many named the lost
 rank. Launches alternate the modes, so a slow spell of a shared machine falls on both.
 
-One JSON line per run is printed and appended to ``benchmarks/results/kill_rank.jsonl``:
-date, commit, machine (host, cores, load average at start), command, figures.
+One record per mode (``benchmarks.results``: question ``<mode>-<nproc>r-timeout<T>``, the
+figure the worst survivor over the timeout, the raw figures and the machine's load average
+beside it) is printed and appended to ``benchmarks/results/kill_rank.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,9 +42,8 @@ from torch.distributed.tensor import Shard
 from autoparallel import AutoParallel, RankLostError
 from autoparallel.models import MLP
 from autoparallel.runtime.launch import run_distributed
+from benchmarks.results import record
 
-REPOSITORY = Path(__file__).resolve().parent.parent
-RESULTS = REPOSITORY / "benchmarks" / "results" / "kill_rank.jsonl"
 ROWS = 256
 LOST_AT_STEP = 2
 
@@ -130,44 +127,35 @@ def one_launch(mode: str, nproc: int, timeout_s: float, guard_s: float) -> dict[
     return {"mode": mode, "launcher": launcher, "survivors": survivors}
 
 
-def summarize(launches: list[dict[str, Any]], nproc: int, timeout_s: float) -> dict[str, Any]:
-    """Per mode: the slowest survivor of each launch, its median and worst, over the timeout."""
-    figures: dict[str, Any] = {}
-    for mode in sorted({launch["mode"] for launch in launches}):
-        mine = [launch for launch in launches if launch["mode"] == mode]
-        survivors = [s for launch in mine for s in launch["survivors"]]
-        slowest = [
-            max(
-                (s["detect_s"] for s in launch["survivors"] if s["detect_s"] is not None),
-                default=None,
-            )
-            for launch in mine
-        ]
-        measured = [value for value in slowest if value is not None]
-        worst = max(measured) if measured else None
-        figures[mode] = {
-            "launches": len(mine),
-            "slowest_survivor_s": slowest,
-            "median_s": round(statistics.median(measured), 3) if measured else None,
-            "worst_s": worst,
-            "worst_over_timeout": round(worst / timeout_s, 3) if worst is not None else None,
-            "within_2x": worst is not None and worst <= 2 * timeout_s,
-            "raised_rank_lost": sum(s["type"] == "RankLostError" for s in survivors),
-            "named_lost_rank": sum(s["lost_rank"] == nproc - 1 for s in survivors),
-            "survivors": len(survivors),
-            "example_message": next((s["message"] for s in survivors if s["message"]), None),
-        }
-    return figures
+def summarize(launches: list[dict[str, Any]], mode: str, nproc: int, timeout_s: float) -> dict:
+    """One mode's figures: the slowest survivor of each launch, their median and worst, the
+    worst over the timeout, and how many survivors raised RankLostError and named the rank."""
+    mine = [launch for launch in launches if launch["mode"] == mode]
+    survivors = [s for launch in mine for s in launch["survivors"]]
+    slowest = [
+        max((s["detect_s"] for s in launch["survivors"] if s["detect_s"] is not None), default=None)
+        for launch in mine
+    ]
+    measured = [value for value in slowest if value is not None]
+    worst = max(measured) if measured else None
+    return {
+        "launches": len(mine),
+        "slowest_survivor_s": slowest,
+        "median_s": round(statistics.median(measured), 3) if measured else None,
+        "worst_s": worst,
+        "worst_over_timeout": round(worst / timeout_s, 3) if worst is not None else None,
+        "within_2x": worst is not None and worst <= 2 * timeout_s,
+        "survivors": len(survivors),
+        "raised_rank_lost": sum(s["type"] == "RankLostError" for s in survivors),
+        "named_lost_rank": sum(s["lost_rank"] == nproc - 1 for s in survivors),
+        "example_message": next((s["message"] for s in survivors if s["message"]), None),
+    }
 
 
-def _commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=REPOSITORY, capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+WHAT = {
+    "kill": "a rank killed (os._exit) mid-step",
+    "hang": "a rank hung (asleep, sockets open) mid-step",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,40 +167,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--mode", nargs="+", choices=("kill", "hang"), default=["kill", "hang"])
     parser.add_argument("--guard", type=float, default=600.0, help="a launch's hang guard, s")
-    parser.add_argument("--no-save", action="store_true", help="print only")
+    parser.add_argument("--no-record", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    started = datetime.datetime.now().astimezone()
-    machine = {
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "cores": os.cpu_count(),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "torch": torch.__version__,
-    }
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     launches = []
     for index in range(args.launches):
         for mode in args.mode:
             launch = one_launch(mode, args.nproc, args.timeout, args.guard)
             print(f"launch {index} {mode}: {json.dumps(launch)}", file=sys.stderr, flush=True)
             launches.append(launch)
-    line = {
-        "date": started.isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "machine": machine,
-        "command": "python -m benchmarks.kill_rank "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "figures": {
-            "timeout_s": args.timeout,
-            "nproc": args.nproc,
-            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-            **summarize(launches, args.nproc, args.timeout),
-        },
-    }
-    print(json.dumps(line), flush=True)
-    if not args.no_save:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("a") as results:
-            results.write(json.dumps(line) + "\n")
+    load_at_end = [round(x, 2) for x in os.getloadavg()]
+    load = {"load_average_at_start": load_at_start, "load_average_at_end": load_at_end}
+    entries = []
+    for mode in args.mode:
+        figures = summarize(launches, mode, args.nproc, args.timeout)
+        entries.append(
+            {
+                "question": f"{mode}-{args.nproc}r-timeout{args.timeout:g}",
+                "what": (
+                    f"slowest survivor's delay to RankLostError over the collective timeout, "
+                    f"{WHAT[mode]}, MLP with sharded parameters, {args.nproc} gloo ranks, "
+                    f"timeout {args.timeout:g} s, {args.launches} launches (goal: 2 at most)"
+                ),
+                "figure": figures["worst_over_timeout"],
+                "unit": "x the timeout",
+                "note": (
+                    f"worst {figures['worst_s']} s, median {figures['median_s']} s; "
+                    f"{figures['raised_rank_lost']} of {figures['survivors']} survivors raised "
+                    f"RankLostError, {figures['named_lost_rank']} named rank {args.nproc - 1}"
+                ),
+                "timeout_s": args.timeout,
+                "nproc": args.nproc,
+                **figures,
+                **load,
+            }
+        )
+        print(json.dumps(entries[-1]), flush=True)
+    if not args.no_record:
+        record("kill_rank", entries, argv)
     return 0
 
 

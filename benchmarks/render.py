@@ -37,6 +37,7 @@ TITLES = {
     "plan_fidelity": "Predicted against measured step time",
     "memory_fidelity": "Predicted against measured memory",
     "op_breakdown": "Step time op by op",
+    "kill_rank": "A rank lost mid-step: how long the others take to raise",
     "calibrate": "Calibration figures",
     "compat": "The test suite on each torch release",
 }
@@ -51,6 +52,7 @@ WRITTEN_BY = {
         "plan_fidelity",
         "memory_fidelity",
         "op_breakdown",
+        "kill_rank",
     )
 } | {
     "calibrate": "kept by hand: `autoparallel calibrate` writes a profile, not records",
