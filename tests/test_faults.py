@@ -78,35 +78,35 @@ TIMED_OUT = (
 
 
 @pytest.fixture
-def peers(monkeypatch):
+def peers():
     """The port table of a 3-rank mesh as rank 0 would have gathered it."""
-    table = {0: frozenset({29500, 41000}), 1: frozenset({45061, 33179}), 2: frozenset({54848})}
-    monkeypatch.setattr(faults, "_PEER_PORTS", table)
-    return table
+    return faults.PeerPorts(
+        {0: frozenset({29500, 41000}), 1: frozenset({45061, 33179}), 2: frozenset({54848})}
+    )
 
 
 @pytest.mark.parametrize("port", [45061, 1456])  # as is, and in network byte order
 def test_closed_connection_names_the_rank_holding_the_port(peers, port):
-    error = faults.as_rank_lost(RuntimeError(CLOSED.format(port=port)))
+    error = faults.as_rank_lost(RuntimeError(CLOSED.format(port=port)), peers)
     assert isinstance(error, RankLostError)
     assert error.lost_rank == 1 and not error.timed_out
     assert str(error).startswith("rank 1 was lost")
 
 
 def test_unknown_address_and_timeout_name_no_rank_on_larger_meshes(peers):
-    closed = faults.as_rank_lost(RuntimeError(CLOSED.format(port=1234)))
+    closed = faults.as_rank_lost(RuntimeError(CLOSED.format(port=1234)), peers)
     assert closed is not None and closed.lost_rank is None
     assert "a peer rank was lost" in str(closed) and "[127.0.0.1]:1234" in str(closed)
-    timed_out = faults.as_rank_lost(RuntimeError(TIMED_OUT))
+    timed_out = faults.as_rank_lost(RuntimeError(TIMED_OUT), peers)
     assert timed_out is not None and timed_out.lost_rank is None and timed_out.timed_out
     assert "within 10 s, the collective timeout" in str(timed_out)
 
 
 def test_timeout_names_the_only_peer(monkeypatch):
-    monkeypatch.setattr(faults, "_PEER_PORTS", {0: frozenset({1}), 1: frozenset({2})})
     monkeypatch.setattr(faults.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(faults.dist, "get_rank", lambda: 0)
-    error = faults.as_rank_lost(RuntimeError(TIMED_OUT))
+    two_ranks = faults.PeerPorts({0: frozenset({1}), 1: frozenset({2})})
+    error = faults.as_rank_lost(RuntimeError(TIMED_OUT), two_ranks)
     assert error is not None and error.lost_rank == 1
     assert str(error).startswith("rank 1 did not answer rank 0 within 10 s")
 

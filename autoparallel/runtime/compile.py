@@ -9,7 +9,7 @@ result into kernels. Gradients, losses and placements are those of the eager mod
 Without a CUDA device the default compiler, Inductor, emits C++ for the CPU; the
 collectives stay calls into the process group (gloo or nccl). A compiled forward raises
 ``RankLostError`` for a lost peer as the eager one does; the compiled backward runs inside
-autograd, out of this backend's reach (wrap the step in ``translate_rank_loss()``).
+autograd, out of this backend's reach (wrap the step in ``translate_rank_loss(parallel)``).
 """
 
 from __future__ import annotations

@@ -31,13 +31,21 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["RankLostError", "set_collective_timeout", "share_peer_addresses", "translate_rank_loss"]
+__all__ = [
+    "PeerPorts",
+    "RankLostError",
+    "set_collective_timeout",
+    "share_peer_addresses",
+    "translate_rank_loss",
+]
 
 RESTART = "restart every rank from the last checkpoint"
 
@@ -78,27 +86,53 @@ def set_collective_timeout(mesh: DeviceMesh, timeout: float | timedelta) -> time
     return value
 
 
-# rank -> the TCP ports its process held when it shared them (this process's view)
-_PEER_PORTS: dict[int, frozenset[int]] = {}
+@dataclass(frozen=True)
+class PeerPorts:
+    """Which TCP ports each rank's process held when the parallel module was built (this
+    rank's view): how a gloo error naming a peer's socket address names its rank. Held by
+    the parallel module; empty where nothing could be read (another backend, not Linux)."""
+
+    ports: Mapping[int, frozenset[int]] = field(default_factory=dict)
+
+    def rank_at_port(self, port: int, me: int) -> int | None:
+        """The one peer rank holding ``port``, or None. gloo prints a peer's port in network
+        byte order in some messages, so the byte-swapped value is looked up too."""
+        swapped = ((port & 0xFF) << 8) | (port >> 8)
+        owners = {
+            rank
+            for rank, ports in self.ports.items()
+            if rank != me and (port in ports or swapped in ports)
+        }
+        return owners.pop() if len(owners) == 1 else None
+
+    def only_peer(self, me: int) -> int | None:
+        """The single other rank, when there is exactly one (from the table, else from the
+        default group's size)."""
+        peers = [rank for rank in self.ports if rank != me]
+        if not peers and dist.is_initialized() and dist.get_world_size() == 2 and me in (0, 1):
+            return 1 - me
+        return peers[0] if len(peers) == 1 else None
 
 
-def share_peer_addresses(mesh: DeviceMesh) -> None:
-    """Record which TCP ports each peer rank of ``mesh`` holds, so that a gloo error naming a
-    peer's address can name its rank. Collective over each of the mesh's groups: every rank
-    of the mesh calls it (``apply_placement`` does). Only real gloo groups: any other backend
-    (nccl, the fake group of planning) names no address this can read."""
+def share_peer_addresses(mesh: DeviceMesh) -> PeerPorts:
+    """Which TCP ports each peer rank of ``mesh`` holds, so that a gloo error naming a peer's
+    address can name its rank. Collective over each of the mesh's groups: every rank of the
+    mesh calls it (``apply_placement`` does). Only real gloo groups: any other backend (nccl,
+    the fake group of planning) names no address this can read, and gets an empty table."""
     if not dist.is_initialized() or any(
         dist.get_backend(mesh.get_group(dim)) != "gloo" for dim in range(mesh.ndim)
     ):
-        return
+        return PeerPorts()
     mine = _own_tcp_ports()
+    table: dict[int, frozenset[int]] = {}
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         gathered: list[frozenset[int] | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
         for rank, ports in zip(dist.get_process_group_ranks(group), gathered):
             if ports is not None:
-                _PEER_PORTS[rank] = ports
+                table[rank] = ports
+    return PeerPorts(table)
 
 
 def _own_tcp_ports() -> frozenset[int]:
@@ -124,25 +158,10 @@ def _own_tcp_ports() -> frozenset[int]:
         return frozenset()
 
 
-def _rank_at_port(port: int, me: int) -> int | None:
-    """The one peer rank holding ``port``, or None. gloo prints a peer's port in network
-    byte order in some messages, so the byte-swapped value is looked up too."""
-    swapped = ((port & 0xFF) << 8) | (port >> 8)
-    owners = {
-        rank
-        for rank, ports in _PEER_PORTS.items()
-        if rank != me and (port in ports or swapped in ports)
-    }
-    return owners.pop() if len(owners) == 1 else None
-
-
-def _only_peer(me: int) -> int | None:
-    peers = [rank for rank in _PEER_PORTS if rank != me]
-    return peers[0] if len(peers) == 1 else None
-
-
-def as_rank_lost(error: BaseException) -> RankLostError | None:
-    """The :class:`RankLostError` a gloo error means, or None for any other error."""
+def as_rank_lost(error: BaseException, peers: PeerPorts | None = None) -> RankLostError | None:
+    """The :class:`RankLostError` a gloo error means, or None for any other error; ``peers``
+    (the parallel module's table) lets it name the lost rank from gloo's address."""
+    peers = peers if peers is not None else PeerPorts()
     if isinstance(error, RankLostError) or not isinstance(error, RuntimeError):
         return None
     text = str(error)
@@ -152,9 +171,9 @@ def as_rank_lost(error: BaseException) -> RankLostError | None:
     me = dist.get_rank() if dist.is_initialized() else -1
     if closed is not None:
         address = _ADDRESS.search(text)
-        lost = _rank_at_port(int(address.group(2)), me) if address else None
-        if lost is None and (address is None or not any(_PEER_PORTS.values())):
-            lost = _only_peer(me)  # no address, or none could be read: the only peer, if one
+        lost = peers.rank_at_port(int(address.group(2)), me) if address else None
+        if lost is None and (address is None or not any(peers.ports.values())):
+            lost = peers.only_peer(me)  # no address, or none could be read: the only peer, if one
         phrase = closed.group(1).lower()
         head = (
             f"rank {lost} was lost: its connection to rank {me} broke (gloo: {phrase})"
@@ -165,7 +184,7 @@ def as_rank_lost(error: BaseException) -> RankLostError | None:
         )
         return RankLostError(f"{head}; {RESTART}", me, lost, timed_out=False)
     assert timed_out is not None
-    lost = _only_peer(me)
+    lost = peers.only_peer(me)
     waited = f"within {int(timed_out.group(1)) / 1000:g} s, the collective timeout"
     head = (
         f"rank {lost} did not answer rank {me} {waited} (dead or hung)"
@@ -177,18 +196,27 @@ def as_rank_lost(error: BaseException) -> RankLostError | None:
 
 
 @contextlib.contextmanager
-def translate_rank_loss() -> Iterator[None]:
+def translate_rank_loss(parallel: nn.Module | PeerPorts | None = None) -> Iterator[None]:
     """Inside the block, a gloo error saying a peer rank went away or timed out is raised as
     :class:`RankLostError` (the original as its ``__cause__``); other errors pass unchanged.
 
     The parallel module does this for its own forward and backward; wrap the rest of a
     training step (the loss's all-reduce, gradient clipping, a compiled backward,
-    checkpointing) to get the same error from any collective in it.
+    checkpointing) to get the same error from any collective in it. Pass the parallel module
+    (``translate_rank_loss(parallel)``) so the error can name the lost rank from gloo's
+    address; without it, a rank is named only on a 2-rank world.
     """
+    peers = parallel if isinstance(parallel, PeerPorts) else peer_ports_of(parallel)
     try:
         yield
     except RuntimeError as error:
-        lost = as_rank_lost(error)
+        lost = as_rank_lost(error, peers)
         if lost is None:
             raise
         raise lost from error
+
+
+def peer_ports_of(parallel: nn.Module | None) -> PeerPorts:
+    """The peer table a parallel module holds (empty for None or any other module)."""
+    runtime = getattr(parallel, "_autoparallel", None)
+    return getattr(runtime, "peers", None) or PeerPorts()

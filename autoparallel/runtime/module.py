@@ -36,6 +36,7 @@ from autoparallel.runtime.coalesce import reduce_gradients
 from autoparallel.runtime.dynamic import ShapeVariants
 from autoparallel.runtime.executor import JointExecutor
 from autoparallel.runtime.faults import (
+    PeerPorts,
     set_collective_timeout,
     share_peer_addresses,
     translate_rank_loss,
@@ -83,12 +84,13 @@ def apply_placement(
     """
     if collective_timeout is not None:
         set_collective_timeout(mesh, collective_timeout)
-    share_peer_addresses(mesh)
+    peers = share_peer_addresses(mesh)
     device = torch.device(mesh.device_type)
     local_sources = {node.name for node, ns in space.nodes.items() if ns.source in LOCAL_SOURCES}
 
     def make_runtime(graph: JointGraph) -> _Runtime:
-        return _Runtime(graph, plan, mesh, JointExecutor(graph, plan, mesh, local_sources, device))
+        executor = JointExecutor(graph, plan, mesh, local_sources, device)
+        return _Runtime(graph, plan, mesh, executor, peers)
 
     runtime = make_runtime(joint)
     if dynamic:
@@ -177,11 +179,19 @@ def _to_dtensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DT
 class _Runtime:
     """Per-module state of the parallel forward: the executor and the boundary placements."""
 
-    def __init__(self, joint: JointGraph, plan: Plan, mesh: DeviceMesh, executor: JointExecutor):
+    def __init__(
+        self,
+        joint: JointGraph,
+        plan: Plan,
+        mesh: DeviceMesh,
+        executor: JointExecutor,
+        peers: PeerPorts,
+    ):
         self.joint = joint
         self.plan = plan
         self.mesh = mesh
         self.executor = executor
+        self.peers = peers  # names a lost rank in RankLostError (runtime/faults.py)
         self.input_shapes = [tuple(n.meta["val"].shape) for n in joint.user_inputs]
         self.input_dtypes = [n.meta["val"].dtype for n in joint.user_inputs]
         self.local_input_shapes = [
@@ -395,7 +405,7 @@ class _JointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime: _Runtime, num_params: int, num_buffers: int, *flat: torch.Tensor):
-        with translate_rank_loss():
+        with translate_rank_loss(runtime.peers):
             results = runtime.forward_phase(*flat)
         num_outputs = len(runtime.output_indices)
         ctx.runtime = runtime
@@ -407,7 +417,7 @@ class _JointFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor):
         runtime: _Runtime = ctx.runtime
         num_params, num_buffers, num_inputs = ctx.counts
-        with translate_rank_loss():
+        with translate_rank_loss(runtime.peers):
             grads = iter(runtime.backward_phase(*ctx.saved_tensors, *grad_outputs))
         with_grad = set(runtime.params_with_grad)
         param_grads = [next(grads) if name in with_grad else None for name in runtime.joint.params]
@@ -430,7 +440,7 @@ def _run_joint(
 
 @internals.nonstrict_trace
 def _run_inference(runtime: _Runtime, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    with translate_rank_loss():
+    with translate_rank_loss(runtime.peers):
         return tuple(runtime.inference_phase(*flat))
 
 

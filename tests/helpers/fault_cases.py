@@ -148,7 +148,7 @@ def _train(
         first = resume_from
     losses = {}
     for step in range(first, steps):
-        with translate_rank_loss():
+        with translate_rank_loss(parallel):
             loss = _global_loss(parallel(_rows(batch_at(step), mesh)), mesh)
             loss.backward()
             optimizer.step()
