@@ -21,7 +21,8 @@ A launch counts as one of:
 * ``error``: a rank exited non-zero without a signal (a Python exception);
 * ``wrong``: every rank finished, but a step's global loss differs from the one-device
   reference (the same model, init and batch, unsharded, in this process) by more than
-  ``1e-4 * max(1, |loss|)``;
+  ``1e-4 * max(1, |loss|)``, or the ranks issued different numbers of collectives in a
+  step (the process group pairs collectives by sequence number: they must match);
 * ``ok``: otherwise.
 
 Prints one table of counts per (model, nproc, mode) and appends one JSON line to
@@ -55,6 +56,7 @@ STEPS = 5
 TOLERANCE = 1e-4
 OUTCOMES = ("ok", "abort", "hang", "error", "wrong")
 DONE = "soak: rank done"
+ISSUED = "soak: collectives per step "
 """What a rank prints once it has trained and left the group: an abort after it is at exit."""
 
 
@@ -94,13 +96,19 @@ def rank_main(model: str, compiled: bool, out: str) -> None:
     )
     inputs, targets = workload.global_batch()
     inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
-    losses = []
+    # collectives this rank issued in each step: the process group's sequence number (private,
+    # no public counter) goes up by one per collective; every rank must issue the same ones
+    group = dist.distributed_c10d._get_default_group()
+    losses, issued = [], []
     for _ in range(STEPS):
+        before = group._get_sequence_number_for_group()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(run(inputs), targets)
         (loss / world_size).backward()  # ours: gradients of the sum of the ranks' losses
         optimizer.step()
         losses.append(loss.detach().double())
+        issued.append(group._get_sequence_number_for_group() - before)
+    print(f"{ISSUED}{json.dumps(issued)}", file=sys.stderr, flush=True)
     total = torch.stack(losses)
     dist.all_reduce(total)
     if rank == 0:
@@ -142,6 +150,7 @@ class Launch:
     seconds: float
     perturb: int
     detail: str = ""  # the failing rank, its exit status, its log
+    issued: list[int] | None = None  # collectives rank 0 issued in each step
 
 
 def _free_port() -> int:
@@ -206,12 +215,23 @@ def launch(
         rank = next(r for r, c in enumerate(codes) if c)
         return Launch("error", seconds, perturb, f"rank {rank} exit {codes[rank]}: {work}")
     losses = json.loads(out.read_text())
+    issued = [_issued(work / f"rank{rank}.log") for rank in range(nproc)]
     if any(abs(a - b) > TOLERANCE * max(1.0, abs(b)) for a, b in zip(losses, reference)):
-        return Launch("wrong", seconds, perturb, f"{losses} vs {reference}: {work}")
+        return Launch("wrong", seconds, perturb, f"{losses} vs {reference}: {work}", issued[0])
+    if any(counts != issued[0] for counts in issued):
+        return Launch("wrong", seconds, perturb, f"ranks issued {issued}: {work}", issued[0])
     for path in work.iterdir():
         path.unlink()
     work.rmdir()
-    return Launch("ok", seconds, perturb)
+    return Launch("ok", seconds, perturb, issued=issued[0])
+
+
+def _issued(log: Path) -> list[int]:
+    """The collectives per step a rank's log reports."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith(ISSUED):
+            return json.loads(line[len(ISSUED) :])
+    return []
 
 
 def _commit() -> str:
@@ -253,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         for nproc in args.nproc:
             for mode in modes:
                 tally = dict.fromkeys(OUTCOMES, 0)
-                failures = []
+                failures, issued = [], set()
                 for index in range(args.launches):
                     result = launch(
                         model, nproc, mode == "compile", args.timeout, args.logs, reference
@@ -261,15 +281,18 @@ def main(argv: list[str] | None = None) -> int:
                     tally[result.outcome] += 1
                     print(
                         f"{model} nproc={nproc} {mode} #{index}: {result.outcome} "
-                        f"{result.seconds:.1f}s perturb={result.perturb} {result.detail}",
+                        f"{result.seconds:.1f}s perturb={result.perturb} "
+                        f"collectives/step={result.issued} {result.detail}",
                         flush=True,
                     )
                     if result.outcome != "ok":
                         failures.append(asdict(result))
+                    if result.issued:
+                        issued.add(tuple(result.issued))
                 counts.append(
                     {"model": model, "nproc": nproc, "mode": mode, "launches": args.launches}
                     | tally
-                    | {"failures": failures}
+                    | {"collectives_per_step": sorted(issued), "failures": failures}
                 )
     print(f"\n{'model':<12} {'nproc':>5} {'mode':<8} " + " ".join(f"{o:>6}" for o in OUTCOMES))
     for row in counts:
