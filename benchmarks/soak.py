@@ -9,9 +9,10 @@ gloo process group, planning the model with the public API (``AutoParallel`` ->
 ``optimize_placement`` -> ``apply_placement`` -> ``to_empty`` -> ``init_weights``) and
 training 5 steps of ``torch.optim.AdamW(foreach=True)`` on its rows of a fixed global batch,
 eagerly or under ``torch.compile`` with ``autoparallel_backend()``. Every rank runs with
-glibc's heap checks (``MALLOC_CHECK_=3``, ``MALLOC_PERTURB_`` random in 1..255 per launch)
-and ``PYTHONFAULTHANDLER=1``, so a use of freed memory tends to abort or crash, with the
-Python stack of the dying rank in its log.
+glibc's heap checks (``MALLOC_CHECK_=3``, with ``libc_malloc_debug.so`` preloaded where
+glibc has it, as glibc >= 2.34 needs; ``MALLOC_PERTURB_`` random in 1..255 per launch) and
+``PYTHONFAULTHANDLER=1``, so a use of freed memory tends to abort or crash, with the Python
+stack of the dying rank in its log.
 
 A launch counts as one of:
 
@@ -33,6 +34,7 @@ every launch that was not ``ok`` are kept under ``--logs``.
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import datetime
 import json
 import os
@@ -55,6 +57,8 @@ MODELS = ("mlp", "llama-tiny", "llama-small", "moe-tiny")
 STEPS = 5
 TOLERANCE = 1e-4
 OUTCOMES = ("ok", "abort", "hang", "error", "wrong")
+MALLOC_DEBUG = ctypes.util.find_library("c_malloc_debug")
+"""glibc's checking allocator (where it is a library of its own), preloaded into every rank."""
 DONE = "soak: rank done"
 ISSUED = "soak: collectives per step "
 """What a rank prints once it has trained and left the group: an abort after it is at exit."""
@@ -177,6 +181,8 @@ def launch(
         MALLOC_PERTURB_=str(perturb),
         PYTHONFAULTHANDLER="1",
     )
+    if MALLOC_DEBUG:  # glibc >= 2.34 honours MALLOC_CHECK_ only with this library preloaded
+        env["LD_PRELOAD"] = " ".join(filter(None, (env.get("LD_PRELOAD"), MALLOC_DEBUG)))
     command = [sys.executable, "-m", "benchmarks.soak", "--rank-of", model, "--out", str(out)]
     command += ["--compile"] if compiled else []
     start = time.monotonic()
