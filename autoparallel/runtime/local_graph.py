@@ -20,9 +20,10 @@ Tracing runs nothing: no collective is issued and no buffer is handed to the pro
 group while the tracer runs. The contract the ranks rely on is that every call of a phase,
 the first one included, issues exactly the collectives of its local graph, in the graph's
 order: the process group pairs the ranks' collectives by their sequence number alone, so a
-rank that issued one more (tracing on real tensors issued the phase's collectives a second
-time, from inside the tracer) would pair a collective with a different one on its peer, and
-the transport would write one collective's bytes into another's buffer.
+rank that issued one more than its peer would pair every later collective with a different
+one, and the transport would write one collective's bytes into another's buffer. (Tracing
+on real tensors issued each phase's collectives a second time, from inside the tracer:
+safe only while every rank's tracer did exactly the same.)
 
 Under ``torch.compile`` the phases are not traced here: AOTAutograd traces them itself
 (see runtime/module.py and runtime/compile.py) and Inductor compiles the result.
