@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.collective_cases import (
+    collectives_per_call,
     gradients_reduced_together,
     parameters_gathered_by_layer,
     plan_is_shared,
@@ -98,6 +99,17 @@ def test_parameter_gradients_are_reduced_together(ranks):
         assert any("reduce_scatter" in op for op in result["comms"])
         assert result["shapes_match"]
         assert result["error"] < 1e-6 and result["coalescable_error"] < 1e-6
+
+
+def test_tracing_a_phase_issues_no_collective(ranks):
+    """The first call of each phase, which traces its local graph, issues exactly the
+    collectives every later call does: the graph is traced on fake tensors (no collective
+    runs, no buffer is handed to gloo while the tracer runs) and then run once for real."""
+    for result in ranks(2).run(collectives_per_call, timeout_s=240):
+        first, *later = result["steps"]
+        assert first > 0 and later == [first] * len(later), result["steps"]
+        assert result["inference"][0] == result["inference"][1] > 0, result["inference"]
+        assert result["fake_values"]
 
 
 def test_parameters_are_gathered_a_layer_at_a_time(ranks):

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._export.utils import _compiling_state_context
@@ -24,6 +26,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException as _DynamicOutputShapeException,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import (
     GuardOnDataDependentSymNode as _GuardOnDataDependentSymNode,
 )
@@ -51,6 +54,17 @@ DATA_DEPENDENT_SHAPE_ERRORS: tuple[type[BaseException], ...] = (_DynamicOutputSh
 def new_fake_mode(allow_non_fake_inputs: bool = False) -> FakeTensorMode:
     """A fresh fake mode per session: no state is shared between two planning sessions."""
     return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
+
+
+def trace_on_fake(function: Callable[..., Any], *tensors: torch.Tensor) -> fx.GraphModule:
+    """``function``'s ATen ops, traced on fake copies of ``tensors``: no op runs on data.
+
+    The runtime's local graphs (runtime/local_graph.py) must be traced without running
+    anything for real: on real tensors every functional collective of the phase would be
+    issued, with its buffers, while the tracer runs. ``make_fx``'s fake mode converts the
+    inputs itself; tensors ``function`` reads from elsewhere (the model's constants) are
+    allowed in as constants of the graph, which takes a private argument of ``make_fx``."""
+    return make_fx(function, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
 
 
 def unrun_graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:

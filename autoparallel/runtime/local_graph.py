@@ -2,10 +2,11 @@
 
 Interpreting the joint graph op by op through DTensor costs Python dispatch on every op of
 every step. The first call of each phase (forward, backward, inference) is therefore traced
-with ``make_fx`` on this rank's real tensors: DTensor's dispatch and redistributions unfold
-into plain ATen ops on local shapes and torch's functional collectives
-(``_c10d_functional.all_gather_into_tensor`` and friends). Later calls run that graph
-(eagerly, as its source with the ops bound once: runtime/bound_graph.py).
+with ``make_fx`` on fake copies of this rank's tensors (same shapes, strides and dtypes, no
+data): DTensor's dispatch and redistributions unfold into plain ATen ops on local shapes and
+torch's functional collectives (``_c10d_functional.all_gather_into_tensor`` and friends).
+Every call, the first included, then runs that graph on the real tensors (eagerly, as its
+source with the ops bound once: runtime/bound_graph.py).
 
 Wrapping local tensors as DTensors (the phase's inputs, the saved values) leaves one view of
 each input to its own shape in the trace; :func:`drop_identity_views` removes them, since on
@@ -15,8 +16,14 @@ DTensor's all-reduce is torch's functional one, which copies its input before re
 where that input is a temporary no other op reads (a gradient bucket's flat buffer, a
 matmul's partial sums), :func:`reduce_in_place` reduces the temporary itself instead.
 
-Tracing runs the phase once (with its collectives) on real data; every rank reaches the
-first call together, as in any SPMD program, so the collectives match.
+Tracing runs nothing: no collective is issued and no buffer is handed to the process
+group while the tracer runs. The contract the ranks rely on is that every call of a phase,
+the first one included, issues exactly the collectives of its local graph, in the graph's
+order: the process group pairs the ranks' collectives by their sequence number alone, so a
+rank that issued one more than its peer would pair every later collective with a different
+one, and the transport would write one collective's bytes into another's buffer. (Tracing
+on real tensors issued each phase's collectives a second time, from inside the tracer:
+safe only while every rank's tracer did exactly the same.)
 
 Under ``torch.compile`` the phases are not traced here: AOTAutograd traces them itself
 (see runtime/module.py and runtime/compile.py) and Inductor compiles the result.
@@ -34,7 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from autoparallel import _torch_internals as internals
 from autoparallel.regions.context import RegionScope, region_scope
@@ -139,7 +146,7 @@ class TracedPhase:
     @torch.compiler.disable
     def _trace(self, *tensors: torch.Tensor) -> None:
         with torch.no_grad():
-            graph_module = make_fx(self.function)(*tensors)
+            graph_module = internals.trace_on_fake(self.function, *tensors)
         drop_identity_views(graph_module)
         issue_collectives_early(graph_module, self.parameter_positions())
         self.graph_module = graph_module

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.types.placements import placement_str
-from helpers.runtime_cases import build
+from helpers.runtime_cases import _local_rows, _plan_and_apply, build, global_batches
 
 
 def plan_is_shared(rank: int, world_size: int) -> dict[str, Any]:
@@ -156,4 +156,50 @@ def parameters_gathered_by_layer(rank: int, world_size: int) -> dict[str, Any]:
         ),
         "placements": sorted({str(tuple(value.placements)) for value in gathered.values()}),
         "released": not gathers.ready,
+    }
+
+
+def collectives_per_call(rank: int, world_size: int) -> dict[str, Any]:
+    """Collectives this rank issued in each of three training steps of a planned LLaMA
+    (parameters gathered in the forward and the backward, gradients reduce-scattered) and in
+    each of two inference calls, read off the process group's sequence number (one per
+    collective issued); and whether every traced local graph holds fake values only."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    _, parallel = _plan_and_apply("llama", mesh, "fsdp")
+    parallel.to_empty(device="cpu")
+    parallel.init_weights(seed=0)
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=1e-3, foreach=True)
+    group = dist.distributed_c10d._get_default_group()
+    tokens = _local_rows(global_batches("llama")[0], mesh)
+
+    def issued(call: Any) -> int:
+        before = group._get_sequence_number_for_group()
+        call()
+        return group._get_sequence_number_for_group() - before
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        parallel(tokens).float().pow(2).mean().backward()
+        optimizer.step()
+
+    def infer() -> None:
+        with torch.no_grad():
+            parallel(tokens)
+
+    steps = [issued(step) for _ in range(3)]
+    inference = [issued(infer) for _ in range(2)]
+    runtime = parallel._autoparallel
+    phases = (runtime.forward_phase, runtime.backward_phase, runtime.inference_phase)
+    values = [
+        node.meta.get("val")
+        for phase in phases
+        for node in phase.graph_module.graph.nodes
+        if isinstance(node.meta.get("val"), torch.Tensor)
+    ]
+    return {
+        "steps": steps,
+        "inference": inference,
+        "fake_values": bool(values) and all(isinstance(v, FakeTensor) for v in values),
     }

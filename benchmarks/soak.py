@@ -1,0 +1,321 @@
+"""Soak test: how often a fresh multi-rank training launch aborts, hangs or trains wrongly.
+
+    python -m benchmarks.soak [--launches 50] [--nproc 2 4] [--models llama-tiny ...]
+        [--compile] [--eager] [--timeout 300] [--logs DIR]
+
+Each launch is what a new user runs: ``--nproc`` fresh processes (a torchrun-like
+environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), each joining a new
+gloo process group, planning the model with the public API (``AutoParallel`` ->
+``optimize_placement`` -> ``apply_placement`` -> ``to_empty`` -> ``init_weights``) and
+training 5 steps of ``torch.optim.AdamW(foreach=True)`` on its rows of a fixed global batch,
+eagerly or under ``torch.compile`` with ``autoparallel_backend()``. Every rank runs with
+glibc's heap checks (``MALLOC_CHECK_=3``, with ``libc_malloc_debug.so`` preloaded where
+glibc has it, as glibc >= 2.34 needs; ``MALLOC_PERTURB_`` random in 1..255 per launch) and
+``PYTHONFAULTHANDLER=1``, so a use of freed memory tends to abort or crash, with the Python
+stack of the dying rank in its log.
+
+A launch counts as one of:
+
+* ``abort``: a rank died of a signal (SIGABRT from glibc's checks or from gloo, SIGSEGV,
+  ...), while training or at exit (after it left the process group);
+* ``hang``: a rank had not exited after ``--timeout`` seconds (all ranks then killed);
+* ``error``: a rank exited non-zero without a signal (a Python exception);
+* ``wrong``: every rank finished, but a step's global loss differs from the one-device
+  reference (the same model, init and batch, unsharded, in this process) by more than
+  ``1e-4 * max(1, |loss|)``, or the ranks issued different numbers of collectives in a
+  step (the process group pairs collectives by sequence number: they must match);
+* ``ok``: otherwise.
+
+Prints one table of counts per (model, nproc, mode) and appends one JSON line to
+``benchmarks/results/soak.jsonl`` (date, commit, machine, command, counts). The logs of
+every launch that was not ``ok`` are kept under ``--logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.results import record
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("mlp", "llama-tiny", "llama-small", "moe-tiny")
+"""``llama-small`` is the ~21 M parameter LLaMA of the benchmarks."""
+STEPS = 5
+TOLERANCE = 1e-4
+OUTCOMES = ("ok", "abort", "hang", "error", "wrong")
+MALLOC_DEBUG = ctypes.util.find_library("c_malloc_debug")
+"""glibc's checking allocator (where it is a library of its own), preloaded into every rank."""
+DONE = "soak: rank done"
+"""What a rank prints once it has trained and left the group: an abort after it is at exit."""
+ISSUED = "soak: collectives per step "
+"""What a rank prints before its list of collectives issued per step (ranks must agree)."""
+
+
+def _workload(name: str) -> Any:
+    from benchmarks.workloads import MOE_TINY_WORKLOAD, WORKLOADS
+
+    return MOE_TINY_WORKLOAD if name == "moe-tiny" else WORKLOADS[name]
+
+
+# ---------------------------------------------------------------------------------- a rank
+
+
+def rank_main(model: str, compiled: bool, out: str) -> None:
+    """One rank of one launch (the environment says which): plan, train, report losses."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoparallel import autoparallel_backend
+    from benchmarks.workloads import local_rows, loss_of, make_optimizer, plan_ours
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if model == "moe-tiny":  # experts over "ep", as benchmarks/moe_step_time.py plans it
+        mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "ep"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    workload = _workload(model)
+    os.dup2(2, 1)  # the solver's banner goes to the log, not to the parent's table
+    module = plan_ours(workload, mesh).module
+    optimizer = make_optimizer(module)
+    run = (
+        torch.compile(module, backend=autoparallel_backend(), fullgraph=True)
+        if compiled
+        else module
+    )
+    inputs, targets = workload.global_batch()
+    inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
+    # collectives this rank issued in each step: the process group's sequence number (private,
+    # no public counter) goes up by one per collective; every rank must issue the same ones
+    group = dist.distributed_c10d._get_default_group()
+    losses, issued = [], []
+    for _ in range(STEPS):
+        before = group._get_sequence_number_for_group()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(run(inputs), targets)
+        (loss / world_size).backward()  # ours: gradients of the sum of the ranks' losses
+        optimizer.step()
+        losses.append(loss.detach().double())
+        issued.append(group._get_sequence_number_for_group() - before)
+    print(f"{ISSUED}{json.dumps(issued)}", file=sys.stderr, flush=True)
+    total = torch.stack(losses)
+    dist.all_reduce(total)
+    if rank == 0:
+        Path(out).write_text(json.dumps((total / world_size).tolist()))
+    dist.destroy_process_group()
+    print(DONE, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------- launches
+
+
+def reference_losses(model: str) -> list[float]:
+    """The global loss of each step, trained unsharded on one process."""
+    import torch
+
+    from benchmarks.workloads import loss_of, make_optimizer
+
+    workload = _workload(model)
+    torch.manual_seed(0)
+    module = workload.build()
+    module.init_weights(seed=0)
+    optimizer = make_optimizer(module)
+    inputs, targets = workload.global_batch()
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(module(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@dataclass
+class Launch:
+    """What one launch came to."""
+
+    outcome: str
+    seconds: float
+    perturb: int
+    detail: str = ""  # the failing rank, its exit status, its log
+    issued: list[int] | None = None  # collectives rank 0 issued in each step
+
+
+def _free_port() -> int:
+    from autoparallel._testing.harness import find_free_port
+
+    return find_free_port()
+
+
+def launch(
+    model: str, nproc: int, compiled: bool, timeout_s: float, logs: Path, reference: list[float]
+) -> Launch:
+    """Start ``nproc`` fresh ranks of one launch, wait for them, classify the result."""
+    perturb = random.randint(1, 255)
+    work = Path(tempfile.mkdtemp(prefix="soak-", dir=logs))
+    out = work / "losses.json"
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        OMP_NUM_THREADS="1",
+        MALLOC_CHECK_="3",
+        MALLOC_PERTURB_=str(perturb),
+        PYTHONFAULTHANDLER="1",
+    )
+    if MALLOC_DEBUG:  # glibc >= 2.34 honours MALLOC_CHECK_ only with this library preloaded
+        env["LD_PRELOAD"] = " ".join(filter(None, (env.get("LD_PRELOAD"), MALLOC_DEBUG)))
+    command = [sys.executable, "-m", "benchmarks.soak", "--rank-of", model, "--out", str(out)]
+    command += ["--compile"] if compiled else []
+    start = time.monotonic()
+    procs = []
+    for rank in range(nproc):
+        log = open(work / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(
+            (subprocess.Popen(command, cwd=ROOT, env=rank_env, stdout=log, stderr=log), log)
+        )
+    deadline = start + timeout_s
+    hung = False
+    for proc, _ in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung = True
+            break
+    for proc, log in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    seconds = time.monotonic() - start
+    codes = [proc.returncode for proc, _ in procs]
+    signalled = [(r, c) for r, c in enumerate(codes) if c < 0 and not (hung and c == -9)]
+    if signalled:
+        rank, code = signalled[0]
+        log = work / f"rank{rank}.log"
+        when = "at exit" if DONE in log.read_text(errors="replace") else "while training"
+        name = signal.Signals(-code).name
+        return Launch("abort", seconds, perturb, f"rank {rank} {name} {when}: {log}")
+    if hung:
+        return Launch("hang", seconds, perturb, f"codes {codes}: {work}")
+    if any(codes):
+        rank = next(r for r, c in enumerate(codes) if c)
+        return Launch("error", seconds, perturb, f"rank {rank} exit {codes[rank]}: {work}")
+    losses = json.loads(out.read_text())
+    issued = [_issued(work / f"rank{rank}.log") for rank in range(nproc)]
+    if any(abs(a - b) > TOLERANCE * max(1.0, abs(b)) for a, b in zip(losses, reference)):
+        return Launch("wrong", seconds, perturb, f"{losses} vs {reference}: {work}", issued[0])
+    if any(counts != issued[0] for counts in issued):
+        return Launch("wrong", seconds, perturb, f"ranks issued {issued}: {work}", issued[0])
+    for path in work.iterdir():
+        path.unlink()
+    work.rmdir()
+    return Launch("ok", seconds, perturb, issued=issued[0])
+
+
+def _issued(log: Path) -> list[int]:
+    """The collectives per step a rank's log reports."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith(ISSUED):
+            return json.loads(line[len(ISSUED) :])
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--launches", type=int, default=50, help="launches per configuration")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["llama-tiny"])
+    parser.add_argument("--eager", action="store_true", help="eager launches (the default)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile launches")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "soak-logs")
+    parser.add_argument("--seed", type=int, default=None, help="seeds MALLOC_PERTURB_ draws")
+    parser.add_argument("--no-record", action="store_true", help="do not append to soak.jsonl")
+    parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # internal: run one rank
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_of:
+        rank_main(args.rank_of, args.compile, args.out)
+        return 0
+    modes = (["eager"] if args.eager or not args.compile else []) + (
+        ["compile"] if args.compile else []
+    )
+    random.seed(args.seed)
+    args.logs.mkdir(parents=True, exist_ok=True)
+    counts = []
+    for model in args.models:
+        reference = reference_losses(model)
+        for nproc in args.nproc:
+            for mode in modes:
+                tally = dict.fromkeys(OUTCOMES, 0)
+                failures, issued = [], set()
+                for index in range(args.launches):
+                    result = launch(
+                        model, nproc, mode == "compile", args.timeout, args.logs, reference
+                    )
+                    tally[result.outcome] += 1
+                    print(
+                        f"{model} nproc={nproc} {mode} #{index}: {result.outcome} "
+                        f"{result.seconds:.1f}s perturb={result.perturb} "
+                        f"collectives/step={result.issued} {result.detail}",
+                        flush=True,
+                    )
+                    if result.outcome != "ok":
+                        failures.append(asdict(result))
+                    if result.issued:
+                        issued.add(tuple(result.issued))
+                counts.append(
+                    {"model": model, "nproc": nproc, "mode": mode, "launches": args.launches}
+                    | tally
+                    | {"collectives_per_step": sorted(issued), "failures": failures}
+                )
+    print(f"\n{'model':<12} {'nproc':>5} {'mode':<8} " + " ".join(f"{o:>6}" for o in OUTCOMES))
+    for row in counts:
+        print(
+            f"{row['model']:<12} {row['nproc']:>5} {row['mode']:<8} "
+            + " ".join(f"{row[o]:>6}" for o in OUTCOMES)
+        )
+    if not args.no_record:
+        record("soak", [_soak_record(row) for row in counts], argv)
+    return 0 if all(row["ok"] == row["launches"] for row in counts) else 1
+
+
+def _soak_record(row: dict) -> dict:
+    """One results record (benchmarks/results.py) of a (model, ranks, mode) row."""
+    bad = {outcome: row[outcome] for outcome in OUTCOMES if outcome != "ok" and row[outcome]}
+    figure = f"{row['ok']}/{row['launches']} ok"
+    if bad:
+        figure += " (" + ", ".join(f"{count} {outcome}" for outcome, count in bad.items()) + ")"
+    raw = {key: value for key, value in row.items() if key not in ("model", "nproc", "mode")}
+    return {
+        "question": f"{row['model']}-{row['nproc']}r-{row['mode']}",
+        "what": f"fresh launches of {row['model']} on {row['nproc']} gloo ranks ({row['mode']}), "
+        "5 AdamW steps each under glibc's heap checks: launches ending clean",
+        "figure": figure,
+        **raw,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
