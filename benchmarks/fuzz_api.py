@@ -276,8 +276,11 @@ def _machine() -> dict[str, Any]:
     return {"hostname": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
 
 
-def record(args: argparse.Namespace, results: list[tuple[Case, str, str]], elapsed: float) -> dict:
-    """The JSON record of a run (the format of ``benchmarks/results/*.jsonl``)."""
+def record(
+    args: argparse.Namespace, results: list[tuple[Case, str, str]], elapsed: float, commit: str
+) -> dict:
+    """The JSON record of a run (the format of ``benchmarks/results/*.jsonl``); ``commit``
+    is the one checked out when the run started."""
     counts = Counter(category for _, category, _ in results)
     families: dict[str, dict[str, int]] = {}
     for case, category, _ in results:
@@ -290,7 +293,7 @@ def record(args: argparse.Namespace, results: list[tuple[Case, str, str]], elaps
         "figure": f"{good} of {len(results)}",
         "unit": "",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit,
         "machine": _machine(),
         "command": " ".join(["python -m benchmarks.fuzz_api", *sys.argv[1:]]),
         "counts": {c: counts[c] for c in CATEGORIES},
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.cases < 1:
         parser.error(f"unknown families {unknown}" if unknown else "--cases must be positive")
     cases = draw(args.cases, args.seed, families)
+    commit = _commit()
     start = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory(prefix="fuzz_api_") as workdir:
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             worker.stop()
     report(results)
-    line = record(args, results, time.perf_counter() - start)
+    line = record(args, results, time.perf_counter() - start, commit)
     if not args.no_record:
         RESULTS.parent.mkdir(exist_ok=True)
         with RESULTS.open("a") as out:
