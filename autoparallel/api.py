@@ -343,7 +343,8 @@ def auto_parallel(
         out_shardings: a pytree matching the model's outputs, with a placement tuple per
             output tensor.
         parameter_memory_budget: ``(low, high)`` bytes per device for the parameter memory
-            constraint (``(None, None)`` = the defaults); ``None`` adds no constraint.
+            constraint (``(None, None)`` = the defaults); ``None`` adds no constraint; any
+            other value raises TypeError before anything is traced.
         memory_budget: peak bytes per device of a training step (see
             :meth:`AutoParallel.add_memory_constraint`), with ``optimizer``'s state and
             ``activation_checkpointing`` ("auto": recompute layers where that fits best);
@@ -357,6 +358,13 @@ def auto_parallel(
 
     from autoparallel._torch_internals import tree_flatten
 
+    if parameter_memory_budget is not None and (
+        not isinstance(parameter_memory_budget, (tuple, list)) or len(parameter_memory_budget) != 2
+    ):
+        raise TypeError(
+            "parameter_memory_budget must be a (low, high) pair of byte counts or None, got "
+            f"{parameter_memory_budget!r}"
+        )
     raw = sample_inputs() if callable(sample_inputs) else sample_inputs
     leaves, spec = tree_flatten(raw)
     placements = [
@@ -387,8 +395,7 @@ def auto_parallel(
         autop.add_input_constraints(placements)
         autop.add_output_constraints(output_placements)
         if parameter_memory_budget is not None:
-            low, high = parameter_memory_budget
-            autop.add_parameter_memory_constraint(low, high)
+            autop.add_parameter_memory_constraint(*parameter_memory_budget)
         if memory_budget is not None:
             autop.add_memory_constraint(memory_budget, optimizer, activation_checkpointing)
         plan = autop.optimize_placement()

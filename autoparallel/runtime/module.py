@@ -254,6 +254,11 @@ class _Runtime:
                 )
             if leaf.dtype != dtype:
                 raise InputMismatchError(f"input {index}: expected dtype {dtype}, got {leaf.dtype}")
+            if leaf.device.type != self.executor.device.type:
+                raise InputMismatchError(
+                    f"input {index}: expected a tensor on {self.executor.device.type} (the mesh's "
+                    f"device type), got one on {leaf.device}"
+                )
             if leaf.ndim != len(shape):
                 raise InputMismatchError(
                     f"input {index}: expected {len(shape)} dimensions, got shape {tuple(leaf.shape)}"

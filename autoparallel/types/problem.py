@@ -21,6 +21,17 @@ from autoparallel.types.strategies import StrategySpace
 MIB = float(1 << 20)
 
 
+class UnknownNameError(ValueError, KeyError):
+    """A name (of a node, a node's input, a constraint) that the problem does not have.
+
+    A ValueError (a bad argument) that is also the KeyError these lookups raised before, so
+    callers catching KeyError keep working; its text is the message, not KeyError's repr.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 @dataclass
 class Folding:
     """Node -> representative; a node that is its own representative is not folded."""
@@ -277,9 +288,16 @@ class Problem:
         return next((n for n, c in self.user_constraints.items() if c.columns is not None), None)
 
     def remove_constraints(self, names: list[str]) -> None:
+        """Remove the named user constraints: TypeError for a bare string (a list of names
+        is expected), UnknownNameError naming any that do not exist (nothing is removed)."""
+        if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)):
+            raise TypeError(
+                f"remove_constraints takes a list of constraint names, got {names!r}"
+                + (f"; write remove_constraints([{names!r}])" if isinstance(names, str) else "")
+            )
         unknown = [n for n in names if n not in self.user_constraints]
         if unknown:
-            raise KeyError(
+            raise UnknownNameError(
                 f"no such constraints: {unknown}; existing: {sorted(self.user_constraints)}"
             )
         for name in names:
