@@ -6,7 +6,7 @@ profile); each file case copies one, applies a mutation (truncated, emptied, gar
 deleted or set to a wrong value, an array of the ``.npz`` dropped or shortened) and hands the
 result to the API or the CLI. Mutations are plain tuples so that cases stay picklable:
 
-* ``("truncate", fraction)``, ``("empty",)``, ``("garbage",)``, ``("text", str)``, ``("missing",)``;
+* ``("truncate", fraction)``, ``("flip", fraction)`` (16 bytes inverted), ``("empty",)``, ``("garbage",)``, ``("text", str)``, ``("missing",)``;
 * ``("delete", path)``, ``("set", path, value)``: a key of the JSON (of the ``.npz``'s
   ``meta`` record for a saved problem), ``path`` a tuple of keys and list indices;
 * ``("drop", array)``, ``("shorten", array)``: an array of a saved problem.
@@ -83,6 +83,10 @@ def mutate(workdir: Path, fixture: str, mutation: tuple, suffix: str) -> Path:
     raw = source.read_bytes()
     if kind == "truncate":
         target.write_bytes(raw[: int(len(raw) * mutation[1])])
+    elif kind == "flip":  # 16 bytes inverted at a fraction of the file
+        start = int(len(raw) * mutation[1])
+        flipped = bytes(b ^ 0xFF for b in raw[start : start + 16])
+        target.write_bytes(raw[:start] + flipped + raw[start + 16 :])
     elif kind == "empty":
         target.write_bytes(b"")
     elif kind == "garbage":
@@ -150,6 +154,7 @@ def _json_mutations(rng: random.Random, keys: list[tuple]) -> list[tuple]:
     mutations: list[tuple] = [
         ("truncate", rng.uniform(0.05, 0.95)),
         ("truncate", 0.5),
+        ("flip", rng.uniform(0.0, 0.95)),
         ("empty",),
         ("garbage",),
         ("text", "[]"),
@@ -283,6 +288,8 @@ def saved_problem_family(rng: random.Random) -> list[Case]:
     wrong = [None, "x", -1, [1, 2], {"a": 1}, 10**6]
     mutations: list[tuple] = [
         ("truncate", rng.uniform(0.05, 0.95)),
+        ("flip", rng.uniform(0.0, 0.95)),
+        ("flip", rng.uniform(0.0, 0.95)),
         ("empty",),
         ("garbage",),
         ("missing",),

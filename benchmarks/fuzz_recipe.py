@@ -3,7 +3,8 @@
 A recipe says which mesh, model and ``input_fn`` to plan with, which :class:`AutoParallel`
 options to pass, which methods to call on the planner (constraints, budgets, files) and how
 the case ends: ``"plan"`` (solve), ``"run"`` (solve, apply, allocate and call the parallel
-module on the recipe's inputs) or ``"auto_parallel"`` (the one-call API). Values that cannot
+module on the recipe's inputs; ``materialize: False`` calls it before ``to_empty``) or
+``"auto_parallel"`` (the one-call API). Values that cannot
 travel between processes as they are (tensors, DTensors, a DeviceMesh) are written as tagged
 tuples and built here, in the worker that runs the case:
 
@@ -157,7 +158,8 @@ def run_recipe(workdir: Path, recipe: dict[str, Any]) -> str:
         if end == "plan":
             return f"plan of {len(plan.param_placements)} parameters"
         parallel = autop.apply_placement(plan)
-    parallel.to_empty(device="cpu")
+    if recipe.get("materialize", True):
+        parallel.to_empty(device="cpu")
     for args, kwargs in recipe.get("calls", ()):
         parallel(*build(args, mesh, workdir), **build(kwargs, mesh, workdir))
     return f"parallel module ran {len(recipe.get('calls', ()))} call(s)"

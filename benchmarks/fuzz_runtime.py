@@ -153,6 +153,15 @@ def runtime_inputs_family(rng: random.Random) -> list[Case]:
                 steps=[step("add_input_constraints", [BATCH])],
             )
         )
+    cases.append(
+        _run(
+            family,
+            "parallel(<a correct local input>) before to_empty",
+            [calls["a correct local input"]],
+            ("to_empty", "meta"),
+            materialize=False,
+        )
+    )
     what = rng.choice(sorted(calls))
     cases.append(_run(family, f"parallel(<{what}>) twice", [calls[what]] * 2, names))
     return cases

@@ -16,6 +16,8 @@ import json
 import operator
 from pathlib import Path
 from typing import Any
+from zipfile import BadZipFile
+from zlib import error as ZlibError
 
 import numpy as np
 import torch
@@ -295,16 +297,13 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
     """
     try:
         with open(path, "rb") as handle:
-            if handle.read(4) != b"PK\x03\x04":  # an .npz is a zip archive
-                raise PlacementFileError(f"{path} is not a saved autoparallel problem (.npz)")
-        archive = np.load(path, allow_pickle=False)
-        meta = json.loads(archive["meta"].tobytes().decode())
-    except PlacementFileError:
-        raise
+            is_zip = handle.read(4) == b"PK\x03\x04"  # an .npz is a zip archive
+        archive = np.load(path, allow_pickle=False) if is_zip else None
+        meta = json.loads(archive["meta"].tobytes().decode()) if archive is not None else None
     except Exception as error:  # OSError, a damaged zip, meta that is not JSON
         raise PlacementFileError(f"{path} is not a saved autoparallel problem: {error}") from error
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise PlacementFileError(f"{path} is not a saved autoparallel problem")
+        raise PlacementFileError(f"{path} is not a saved autoparallel problem (.npz)")
     if meta.get("version") != VERSION:
         raise PlacementFileError(
             f"{path} has problem format version {meta.get('version')}; this autoparallel reads {VERSION}"
@@ -312,12 +311,15 @@ def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Sol
     try:
         problem, names, solution = _decode_problem(archive, meta)
         _check_sizes(problem, solution)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
-        what = f"no entry {error.args[0]!r}" if type(error) is KeyError else str(error)
-        raise PlacementFileError(
-            f"{path} is a damaged saved problem ({what}); save it again"
-        ) from error
+    except _DAMAGED as e:
+        what = f"no entry {e.args[0]!r}" if type(e) is KeyError else " ".join(str(e).split())
+        message = f"{path} is a damaged saved problem ({what}); save it again"
+        raise PlacementFileError(message) from e
     return problem, names, solution
+
+
+_DAMAGED = (LookupError, TypeError, ValueError, AttributeError, OSError, BadZipFile, ZlibError)
+"""What decoding a damaged file raises: an entry missing or of a wrong type, a bad CRC."""
 
 
 def _check_sizes(problem: Problem, solution: Solution | None) -> None:

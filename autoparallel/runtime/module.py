@@ -36,6 +36,7 @@ from autoparallel.runtime.dynamic import ShapeVariants
 from autoparallel.runtime.executor import JointExecutor
 from autoparallel.runtime.init import (
     INIT_METHODS,
+    InitError,
     data_assignment_error,
     run_under_full_value_init,
 )
@@ -254,11 +255,7 @@ class _Runtime:
                 )
             if leaf.dtype != dtype:
                 raise InputMismatchError(f"input {index}: expected dtype {dtype}, got {leaf.dtype}")
-            if leaf.device.type != self.executor.device.type:
-                raise InputMismatchError(
-                    f"input {index}: expected a tensor on {self.executor.device.type} (the mesh's "
-                    f"device type), got one on {leaf.device}"
-                )
+
             if leaf.ndim != len(shape):
                 raise InputMismatchError(
                     f"input {index}: expected {len(shape)} dimensions, got shape {tuple(leaf.shape)}"
@@ -448,7 +445,7 @@ def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.
     eager = not torch.compiler.is_compiling()
     for name, tensor in zip(names, tensors):  # one pass per step: both checks are cheap
         if tensor.is_meta:
-            raise RuntimeError(
+            raise InitError(
                 f"{name} is still on the meta device: call parallel_model.to_empty(device=...) and "
                 "initialize it (init_weights() / load_state_dict(...)) before running"
             )
@@ -488,6 +485,7 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     named_buffers = dict(self.named_buffers(remove_duplicate=False))
     params = _local_tensors(self, list(runtime.joint.params), named_params.__getitem__)
     buffers = _local_tensors(self, list(runtime.joint.buffers), named_buffers.__getitem__)
+    _check_devices(leaves, params + buffers)
     if torch.is_grad_enabled():
         results = list(_run_joint(runtime, len(params), len(buffers), *params, *buffers, *leaves))
     else:
@@ -496,6 +494,20 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     for index, value in zip(runtime.output_indices, results):
         outputs[index] = value
     return tree_unflatten(outputs, runtime.joint.out_spec)
+
+
+def _check_devices(leaves: list[Any], state: list[torch.Tensor]) -> None:
+    """InputMismatchError for an input on another kind of device than the module's local
+    parameters and buffers (a meta input to a materialized module, a CPU one to a CUDA one)."""
+    if not state:
+        return
+    device = state[0].device
+    for index, leaf in enumerate(leaves):
+        if leaf.device.type != device.type:
+            raise InputMismatchError(
+                f"input {index} is on {leaf.device} but the module's parameters are on "
+                f"{device}; move the input there"
+            )
 
 
 def _load_state_dict(
