@@ -20,7 +20,8 @@ dies or times out is replaced. Each case ends in one of:
 * ``hang``: past ``--timeout`` seconds; ``crash``: the worker died.
 
 Prints the counts per category and per family, the cases that did not end well, and
-appends one JSON record (the counts, date, commit, machine, command) to
+appends one record (``benchmarks/results.py``: the figure, the counts per category and per
+family, the cases not clear, date, commit, machine, command) to
 ``benchmarks/results/fuzz_api.jsonl``. Noise: none; the classification of a case is
 deterministic, only its time varies.
 """
@@ -29,12 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import io
-import json
 import multiprocessing
 import os
-import platform
 import random
 import re
 import subprocess
@@ -49,10 +47,10 @@ from typing import Any
 
 from benchmarks import fuzz_cases, fuzz_files, fuzz_runtime
 from benchmarks.fuzz_cases import Case
+from benchmarks.results import record
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = str(REPOSITORY / "autoparallel") + os.sep
-RESULTS = REPOSITORY / "benchmarks" / "results" / "fuzz_api.jsonl"
 CATEGORIES = ("ok-plan", "clear-error", "unclear-error", "hang", "crash")
 FAMILIES: dict[str, Callable[[random.Random], list[Case]]] = {
     "mesh": fuzz_cases.mesh_family,
@@ -255,47 +253,22 @@ class Worker:
             self.process = None
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPOSITORY,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
-def _machine() -> dict[str, Any]:
-    import torch
-
-    return {"hostname": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
-
-
-def record(
-    args: argparse.Namespace, results: list[tuple[Case, str, str]], elapsed: float, commit: str
-) -> dict:
-    """The JSON record of a run (the format of ``benchmarks/results/*.jsonl``); ``commit``
-    is the one checked out when the run started."""
+def figures(
+    args: argparse.Namespace, results: list[tuple[Case, str, str]], elapsed: float
+) -> dict[str, Any]:
+    """The run's figure for ``benchmarks.results.record``: how many cases ended in a plan or
+    a clear error, with the counts per category and per family and the cases that did not."""
     counts = Counter(category for _, category, _ in results)
     families: dict[str, dict[str, int]] = {}
     for case, category, _ in results:
         families.setdefault(case.family, {c: 0 for c in CATEGORIES})[category] += 1
     good = counts["ok-plan"] + counts["clear-error"]
     return {
-        "benchmark": "fuzz_api",
         "question": f"cases-{args.cases}-seed-{args.seed}",
-        "what": "fuzz cases of the public API and the CLI ending in a plan or a clear library error",
+        "what": "fuzz cases of the public API and the CLI that end in a plan or a clear "
+        "library error (the rest: unclear errors, hangs, crashes)",
         "figure": f"{good} of {len(results)}",
-        "unit": "",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
-        "machine": _machine(),
-        "command": " ".join(["python -m benchmarks.fuzz_api", *sys.argv[1:]]),
+        "note": args.note,
         "counts": {c: counts[c] for c in CATEGORIES},
         "families": families,
         "not_clear": [
@@ -332,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "--families", default=",".join(FAMILIES), help="comma-separated families to draw from"
     )
     parser.add_argument("--no-record", action="store_true", help="print only; append no record")
+    parser.add_argument("--note", default="", help="a note for the record (e.g. what changed)")
     parser.add_argument("--verbose", action="store_true", help="print every case as it ends")
     args = parser.parse_args(argv)
     families = [name.strip() for name in args.families.split(",") if name.strip()]
@@ -339,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.cases < 1:
         parser.error(f"unknown families {unknown}" if unknown else "--cases must be positive")
     cases = draw(args.cases, args.seed, families)
-    commit = _commit()
     start = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory(prefix="fuzz_api_") as workdir:
@@ -356,12 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             worker.stop()
     report(results)
-    line = record(args, results, time.perf_counter() - start, commit)
     if not args.no_record:
-        RESULTS.parent.mkdir(exist_ok=True)
-        with RESULTS.open("a") as out:
-            out.write(json.dumps(line) + "\n")
-        print(f"\nappended a record to {RESULTS.relative_to(REPOSITORY)}")
+        record("fuzz_api", figures(args, results, time.perf_counter() - start), argv)
     return 0
 
 

@@ -197,7 +197,7 @@ def plan_json_family(rng: random.Random) -> list[Case]:
         ["explain", "{file}", "--placement", "S(0)R"],
     ]
     cases = []
-    for mutation in _json_mutations(rng, keys) + [("set", ("problem",), "plan.json")]:
+    for mutation in _json_mutations(rng, keys):
         argv = rng.choice(commands)
         cases.append(
             file_case(
@@ -207,6 +207,17 @@ def plan_json_family(rng: random.Random) -> list[Case]:
                 ("cli", argv),
                 (),
                 " ".join(argv[:1]) + " plan.json",
+            )
+        )
+    for problem in ("plan.json", "missing.npz", 5):  # the problem it names is wrong
+        cases.append(
+            file_case(
+                "plan_json",
+                "plan.json",
+                ("set", ("problem",), problem),
+                ("cli", commands[2]),
+                ("problem",),
+                "explain plan.json --placement S(0)R",
             )
         )
     return cases

@@ -39,6 +39,7 @@ TITLES = {
     "op_breakdown": "Step time op by op",
     "calibrate": "Calibration figures",
     "compat": "The test suite on each torch release",
+    "fuzz_api": "Bad input, fuzzed",
 }
 """Section titles, in the order the page lists them; other results files follow by name."""
 
@@ -51,6 +52,7 @@ WRITTEN_BY = {
         "plan_fidelity",
         "memory_fidelity",
         "op_breakdown",
+        "fuzz_api",
     )
 } | {
     "calibrate": "kept by hand: `autoparallel calibrate` writes a profile, not records",
