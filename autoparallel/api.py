@@ -67,6 +67,11 @@ class AutoParallel:
             (see trace/repeated_layers.py, trace/layer_stamping.py); False traces every layer.
         dynamic: the parallel module also accepts inputs of other sizes than ``input_fn()``'s,
             without planning again, when the plan divides them (see runtime/dynamic.py).
+
+    An argument of the wrong type or out of range (a model that is not a module, a mesh that
+    is not a DeviceMesh, a flag that is not a bool, a time limit that is not positive, an
+    unknown hardware preset or a bad profile) raises TypeError, ValueError or ProfileError
+    naming it, before anything is traced.
     """
 
     def __init__(
@@ -94,6 +99,13 @@ class AutoParallel:
             raise TypeError(
                 f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
             )
+        for name, flag in (
+            ("fold", fold),
+            ("dynamic", dynamic),
+            ("trace_layers_once", trace_layers_once),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.model = model
         self.input_fn = input_fn
         self.mesh = mesh

@@ -152,7 +152,7 @@ class ShardingOptimizer:
 
     def remove_constraints(self, names: Sequence[str]) -> None:
         """Remove the named constraints (see ``Problem.remove_constraints`` for the errors)."""
-        self.problem.remove_constraints(names)
+        names = self.problem.remove_constraints(names)
         if MEMORY_CONSTRAINT in names:
             self.problem.memory_budget = None
             if self.problem.activation_checkpointing != "off":  # nothing left to recompute for

@@ -124,6 +124,8 @@ def options_family(rng: random.Random) -> list[Case]:
         "relative_gap": [-1, NAN, "x", 2.0, 0.0],
         "mp_policy": ["bf16", 1, ("bfloat16",)],
         "trace_layers_once": ["no"],
+        "fold": ["yes", 1],
+        "dynamic": [None],
     }
     cases = [
         recipe("options", f"AutoParallel({name}={value!r})", (name,), options={name: value})

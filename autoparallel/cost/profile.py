@@ -79,6 +79,10 @@ def hardware_from_dict(data: dict[str, Any], where: str = "hardware") -> Hardwar
             raise ProfileError(
                 f"{where}.{field.name}: expected true or false, got {known[field.name]!r}"
             )
+        elif field.type in ("str", str) and not isinstance(known[field.name], str):
+            raise ProfileError(
+                f"{where}.{field.name}: expected a string, got {known[field.name]!r}"
+            )
     try:
         return Hardware(**known)
     except TypeError as error:

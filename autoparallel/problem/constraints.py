@@ -13,6 +13,7 @@ be listed, removed and re-solved, and an infeasible set is explained by name.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,7 +90,7 @@ def parameter_memory_range(problem: Problem) -> tuple[float, float, float]:
 def byte_count(value: Any, what: str) -> float:
     """``value`` as a number of bytes: TypeError naming ``what`` for anything but a real
     number (a string such as "1GB" included), ValueError for NaN or a negative count."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of bytes, got {value!r}")
     if math.isnan(value) or value < 0:
         raise ValueError(f"{what} must be a non-negative number of bytes, got {value!r}")

@@ -66,7 +66,7 @@ def fake_mesh(
     ):
         raise ValueError(
             f"mesh_dim_names must be {len(shape)} distinct non-empty strings, one per dim of "
-            f"{tuple(shape)}, e.g. {DEFAULT_DIM_NAMES[: len(shape)]}; got {mesh_dim_names!r}"
+            f"{tuple(shape)}, got {mesh_dim_names!r}"
         )
     world_size = math.prod(shape)
     if not _is_int(rank):
@@ -76,10 +76,6 @@ def fake_mesh(
     init_fake_process_group(world_size, rank)
     names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
     return init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
-
-
-DEFAULT_DIM_NAMES = ("dp", "tp", "cp", "ep")
-"""Example names for the message of a bad ``mesh_dim_names``."""
 
 
 def _is_int(value: Any) -> bool:

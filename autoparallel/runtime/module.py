@@ -255,7 +255,6 @@ class _Runtime:
                 )
             if leaf.dtype != dtype:
                 raise InputMismatchError(f"input {index}: expected dtype {dtype}, got {leaf.dtype}")
-
             if leaf.ndim != len(shape):
                 raise InputMismatchError(
                     f"input {index}: expected {len(shape)} dimensions, got shape {tuple(leaf.shape)}"

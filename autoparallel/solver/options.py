@@ -5,6 +5,7 @@ relaxation into a plan). Imports no stage."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 
@@ -64,7 +65,7 @@ class SolverOptions:
             ("relative_gap", 0.0, True),
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {value!r}")
             if math.isnan(value) or value < lowest or (value == lowest and not allow_equal):
                 relation = ">=" if allow_equal else ">"

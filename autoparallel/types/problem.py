@@ -7,6 +7,7 @@ solves it. The variables and rows are described in ``problem/build.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -287,14 +288,16 @@ class Problem:
         """The user constraint that adds columns, if any (see AuxiliaryColumns)."""
         return next((n for n, c in self.user_constraints.items() if c.columns is not None), None)
 
-    def remove_constraints(self, names: list[str]) -> None:
-        """Remove the named user constraints: TypeError for a bare string (a list of names
-        is expected), UnknownNameError naming any that do not exist (nothing is removed)."""
-        if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)):
+    def remove_constraints(self, names: Iterable[str]) -> list[str]:
+        """Remove the named user constraints and return their names: TypeError for a bare
+        string or anything else that is not a collection of names, UnknownNameError naming
+        any that do not exist (then nothing is removed)."""
+        if isinstance(names, str) or not isinstance(names, Iterable):
             raise TypeError(
                 f"remove_constraints takes a list of constraint names, got {names!r}"
                 + (f"; write remove_constraints([{names!r}])" if isinstance(names, str) else "")
             )
+        names = list(names)
         unknown = [n for n in names if n not in self.user_constraints]
         if unknown:
             raise UnknownNameError(
@@ -302,3 +305,4 @@ class Problem:
             )
         for name in names:
             del self.user_constraints[name]
+        return names
