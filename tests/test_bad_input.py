@@ -19,8 +19,15 @@ import torch
 from conftest import meta
 from torch.distributed.tensor import Replicate, Shard
 
-from autoparallel import AutoParallel, InputMismatchError, auto_parallel
+from autoparallel import (
+    HARDWARE_PRESETS,
+    AutoParallel,
+    InitError,
+    InputMismatchError,
+    auto_parallel,
+)
 from autoparallel.cli import main
+from autoparallel.cost.profile import ProfileError, write_profile
 from autoparallel.files.placements import PlacementFileError
 from autoparallel.files.plan_json import PlanJsonError, read_plan_json
 from autoparallel.models import MLP
@@ -89,13 +96,30 @@ def _load_problem_edited(edit: Callable[[dict, dict], None]) -> Callable[[Any, P
     return case
 
 
-def _call_parallel_with(local: torch.Tensor) -> Callable[[Any, Path], Any]:
+def _call_parallel_with(
+    local: torch.Tensor, materialize: bool = True
+) -> Callable[[Any, Path], Any]:
     def case(fake_mesh: Any, tmp_path: Path) -> Any:
         with _mlp_planner(fake_mesh((2, 2), ("dp", "tp"))) as autop:
             autop.add_input_constraints([BATCH])
             parallel = autop.apply_placement(autop.optimize_placement())
-        parallel.to_empty(device="cpu")
+        if materialize:
+            parallel.to_empty(device="cpu")
         return parallel(local)
+
+    return case
+
+
+def _profile_with(**hardware: Any) -> Callable[[Any, Path], Any]:
+    """A case that plans with a profile whose hardware entries ``hardware`` replaces."""
+
+    def case(fake_mesh: Any, tmp_path: Path) -> Any:
+        path = tmp_path / "profile.json"
+        write_profile(HARDWARE_PRESETS["cpu"], path)
+        data = json.loads(path.read_text())
+        data["hardware"].update(hardware)
+        path.write_text(json.dumps(data))
+        return _mlp_planner(fake_mesh((2,)), hardware=str(path))
 
     return case
 
@@ -116,6 +140,16 @@ CASES: dict[str, tuple[Callable[[Any, Path], Any], type[BaseException], str]] = 
         lambda fm, tmp: _mlp_planner(fm((2,)), relative_gap="x"),
         TypeError,
         "relative_gap",
+    ),
+    "options: a flag that is not a bool": (
+        lambda fm, tmp: _mlp_planner(fm((2,)), trace_layers_once="no"),
+        TypeError,
+        "trace_layers_once",
+    ),
+    "profile: a name that is not a string": (
+        _profile_with(name=True),
+        ProfileError,
+        "hardware.name",
     ),
     "placements: unknown node": (
         _with_planner(lambda a: a.sharding_optimizer.add_node_constraint("nope", BATCH)),
@@ -162,6 +196,11 @@ CASES: dict[str, tuple[Callable[[Any, Path], Any], type[BaseException], str]] = 
         _call_parallel_with(torch.empty(8, 32, device="meta")),
         InputMismatchError,
         "input 0",
+    ),
+    "runtime_inputs: called before to_empty": (
+        _call_parallel_with(torch.empty(8, 32), materialize=False),
+        InitError,
+        "to_empty",
     ),
     "placements_json: an entry missing": (
         _load_placements_without("inputs"),
