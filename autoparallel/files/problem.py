@@ -324,12 +324,11 @@ _DAMAGED = (LookupError, TypeError, ValueError, AttributeError, OSError, BadZipF
 
 def _check_sizes(problem: Problem, solution: Solution | None) -> None:
     """ValueError where the arrays and records of a loaded problem disagree."""
-    columns = problem.num_variables
-    ends = [
-        int(c[-1]) + 1 for c in [*problem.node_columns.values(), *problem.edge_columns] if len(c)
-    ]
-    if len(problem.integrality) != columns or max(ends, default=0) > columns:
-        raise ValueError(f"{columns} objective entries for {max(ends, default=0)} columns")
+    columns, ranges = problem.num_variables, [*problem.node_columns.values(), *problem.edge_columns]
+    used = max((int(c[-1]) + 1 for c in ranges if len(c)), default=0)
+    if len(problem.integrality) != columns or used > columns:
+        sizes = f"{columns} objective, {len(problem.integrality)} integrality entries"
+        raise ValueError(f"{sizes} for {used} columns")
     if any(len(r.columns) and int(r.columns.max()) >= columns for r in problem.rows):
         raise ValueError(f"a row names a column past the {columns} columns")
     for node, index in (solution.choice if solution else {}).items():
