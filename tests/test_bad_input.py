@@ -151,6 +151,11 @@ CASES: dict[str, tuple[Callable[[Any, Path], Any], type[BaseException], str]] = 
         ProfileError,
         "hardware.name",
     ),
+    "profile: collectives that are not a list": (
+        _profile_with(collectives=True),
+        ProfileError,
+        "hardware.collectives",
+    ),
     "placements: unknown node": (
         _with_planner(lambda a: a.sharding_optimizer.add_node_constraint("nope", BATCH)),
         ValueError,
