@@ -68,6 +68,11 @@ class AutoParallel:
             (see trace/repeated_layers.py, trace/layer_stamping.py); False traces every layer.
         dynamic: the parallel module also accepts inputs of other sizes than ``input_fn()``'s,
             without planning again, when the plan divides them (see runtime/dynamic.py).
+
+    An argument of the wrong type or out of range (a model that is not a module, a mesh that
+    is not a DeviceMesh, a flag that is not a bool, a time limit that is not positive, an
+    unknown hardware preset or a bad profile) raises TypeError, ValueError or ProfileError
+    naming it, before anything is traced.
     """
 
     def __init__(
@@ -95,6 +100,13 @@ class AutoParallel:
             raise TypeError(
                 f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
             )
+        for name, flag in (
+            ("fold", fold),
+            ("dynamic", dynamic),
+            ("trace_layers_once", trace_layers_once),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.model = model
         self.input_fn = input_fn
         self.mesh = mesh
@@ -356,7 +368,8 @@ def auto_parallel(
         out_shardings: a pytree matching the model's outputs, with a placement tuple per
             output tensor.
         parameter_memory_budget: ``(low, high)`` bytes per device for the parameter memory
-            constraint (``(None, None)`` = the defaults); ``None`` adds no constraint.
+            constraint (``(None, None)`` = the defaults); ``None`` adds no constraint; any
+            other value raises TypeError before anything is traced.
         memory_budget: peak bytes per device of a training step (see
             :meth:`AutoParallel.add_memory_constraint`), with ``optimizer``'s state and
             ``activation_checkpointing`` ("auto": recompute layers where that fits best);
@@ -372,6 +385,13 @@ def auto_parallel(
 
     from autoparallel._torch_internals import tree_flatten
 
+    if parameter_memory_budget is not None and (
+        not isinstance(parameter_memory_budget, (tuple, list)) or len(parameter_memory_budget) != 2
+    ):
+        raise TypeError(
+            "parameter_memory_budget must be a (low, high) pair of byte counts or None, got "
+            f"{parameter_memory_budget!r}"
+        )
     raw = sample_inputs() if callable(sample_inputs) else sample_inputs
     leaves, spec = tree_flatten(raw)
     placements = [
@@ -402,8 +422,7 @@ def auto_parallel(
         autop.add_input_constraints(placements)
         autop.add_output_constraints(output_placements)
         if parameter_memory_budget is not None:
-            low, high = parameter_memory_budget
-            autop.add_parameter_memory_constraint(low, high)
+            autop.add_parameter_memory_constraint(*parameter_memory_budget)
         if memory_budget is not None:
             autop.add_memory_constraint(memory_budget, optimizer, activation_checkpointing)
         plan = autop.optimize_placement()

@@ -25,7 +25,7 @@ from autoparallel.report.summary import hardware_lines, memory_lines, solver_lin
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, placement_str
 from autoparallel.types.plan import NodePlan, Plan
-from autoparallel.types.problem import Problem
+from autoparallel.types.problem import Problem, UnknownNameError
 
 logger = logging.getLogger("autoparallel.plan")
 
@@ -311,13 +311,16 @@ class CostMatrix:
 
 
 def incoming_edge(problem: Problem, node: fx.Node, slot: int, kind: str = "arg") -> EdgeCost:
-    """The edge feeding input ``slot`` of ``node`` (KeyError naming the slots there are)."""
+    """The edge feeding input ``slot`` of ``node`` (UnknownNameError, a KeyError and a
+    ValueError, naming the slots there are)."""
     edges = problem.tables.incoming.get(node, [])
     for edge in edges:
         if edge.kind == kind and edge.slot == slot:
             return edge
     available = ", ".join(f"{e.kind}:{e.slot} from {e.producer.name}" for e in edges) or "none"
-    raise KeyError(f"node {node.name} has no {kind} input {slot}; its inputs: {available}")
+    raise UnknownNameError(
+        f"node {node.name} has no {kind} input {slot!r}; its inputs: {available}"
+    )
 
 
 def cost_matrix(

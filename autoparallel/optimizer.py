@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch.fx as fx
+from torch.distributed.tensor.placement_types import Placement
 
 from autoparallel.explain import (
     PlacementExplanation,
@@ -28,7 +29,11 @@ from autoparallel.files.plan_json import plan_json
 from autoparallel.files.plan_json_graph import get_json
 from autoparallel.files.problem import load_problem, save_problem
 from autoparallel.problem.buckets import members_in_use, share_by_use
-from autoparallel.problem.constraints import parameter_memory_constraint, placement_constraint
+from autoparallel.problem.constraints import (
+    byte_count,
+    parameter_memory_constraint,
+    placement_constraint,
+)
 from autoparallel.problem.memory import build_memory_model, memory_constraint_of, smallest_peak
 from autoparallel.problem.overlap import fit_shares
 from autoparallel.problem.prefetch import prefetchable_columns
@@ -38,7 +43,7 @@ from autoparallel.solver.plan import build_plan
 from autoparallel.types.kinds import ActivationCheckpointing
 from autoparallel.types.placements import Placements, validate_placements
 from autoparallel.types.plan import Plan, Solution
-from autoparallel.types.problem import Problem
+from autoparallel.types.problem import Problem, UnknownNameError
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +126,10 @@ class ShardingOptimizer:
         (default) never recomputes. Replaces an earlier memory constraint; returns its name.
 
         Raises InfeasibleConstraintsError when no plan can fit, naming a lower bound on the
-        smallest peak; ValueError for a budget that is not positive, an unknown optimizer
-        or activation_checkpointing mode.
+        smallest peak; TypeError for a budget that is not a number of bytes, ValueError for one
+        that is not positive, an unknown optimizer or activation_checkpointing mode.
         """
+        budget_bytes = byte_count(budget_bytes, "memory budget_bytes")
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
                 f"activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
@@ -145,7 +151,8 @@ class ShardingOptimizer:
         return self.problem.add_constraint(constraint)
 
     def remove_constraints(self, names: Sequence[str]) -> None:
-        self.problem.remove_constraints(list(names))
+        """Remove the named constraints (see ``Problem.remove_constraints`` for the errors)."""
+        names = self.problem.remove_constraints(names)
         if MEMORY_CONSTRAINT in names:
             self.problem.memory_budget = None
             if self.problem.activation_checkpointing != "off":  # nothing left to recompute for
@@ -261,8 +268,21 @@ class ShardingOptimizer:
     ) -> list[PlacementExplanation]:
         """For every node (or ``nodes``), the chosen output placement against
         ``target_placement`` with both local prices and a status; also logged as a table
-        (logger ``autoparallel.explain``). See :func:`autoparallel.explain.explain_placement`."""
+        (logger ``autoparallel.explain``). See :func:`autoparallel.explain.explain_placement`.
+        TypeError / ValueError when ``target_placement`` is not one placement per mesh dim."""
         plan = self.get_solution()
+        ndim = len(self.problem.space.mesh_shape)
+        if not isinstance(target_placement, (tuple, list)) or not all(
+            isinstance(p, Placement) for p in target_placement
+        ):
+            raise TypeError(
+                f"target_placement must be a tuple of {ndim} placements (one per mesh dim), "
+                f"got {target_placement!r}"
+            )
+        if len(target_placement) != ndim:
+            raise ValueError(
+                f"target_placement has {len(target_placement)} placements for a {ndim}-D mesh"
+            )
         selected = None if nodes is None else [self._node(n) for n in nodes]
         rows = explain_placement(self.problem, plan, tuple(target_placement), selected)
         log_placement_explanations(rows)
@@ -304,4 +324,4 @@ class ShardingOptimizer:
         for candidate in self.problem.space.nodes:
             if candidate.name == node:
                 return candidate
-        raise KeyError(f"no node named {node!r} in the traced graph")
+        raise UnknownNameError(f"no node named {node!r} in the traced graph")

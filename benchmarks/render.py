@@ -38,8 +38,10 @@ TITLES = {
     "memory_fidelity": "Predicted against measured memory",
     "op_breakdown": "Step time op by op",
     "kill_rank": "A rank lost mid-step: how long the others take to raise",
+    "soak": "Fresh launches under glibc's heap checks",
     "calibrate": "Calibration figures",
     "compat": "The test suite on each torch release",
+    "fuzz_api": "Bad input, fuzzed",
 }
 """Section titles, in the order the page lists them; other results files follow by name."""
 
@@ -53,6 +55,8 @@ WRITTEN_BY = {
         "memory_fidelity",
         "op_breakdown",
         "kill_rank",
+        "soak",
+        "fuzz_api",
     )
 } | {
     "calibrate": "kept by hand: `autoparallel calibrate` writes a profile, not records",

@@ -10,7 +10,9 @@ The arguments are parsed and checked in :mod:`autoparallel.cli.plan_arguments`; 
 builds the model, plans it and writes what was asked for, and holds the entry point.
 
 Contract: :func:`main` returns 0 on success; bad arguments print ONE line on stderr and exit
-with status 2 (argparse's convention), before any tracing starts.
+with status 2 (argparse's convention), before any tracing starts. An error of autoparallel's
+own types raised later (constraints no plan meets, a model that cannot be traced) and a
+factory that raises are printed the same way, one line, status 2.
 """
 
 from __future__ import annotations
@@ -116,7 +118,12 @@ def _factory_model(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
     if not callable(factory):
         raise UsageError(f"--model {request.model!r} is not callable")
     with torch.device("meta"):
-        built = factory()
+        try:
+            built = factory()
+        except Exception as exc:  # the user's factory: its failure is reported as one line
+            raise UsageError(
+                f"--model {request.model!r}: calling the factory raised {type(exc).__name__}: {exc}"
+            ) from exc
     if isinstance(built, nn.Module):
         vocab = getattr(getattr(built, "config", None), "vocab_size", None) or getattr(
             built, "vocab_size", 2
@@ -157,45 +164,67 @@ def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
     """Plan on a fake process group; returns (plan JSON dict, Plan). Destroys the group after."""
     import torch.distributed as dist
 
-    from autoparallel import AutoParallel, fake_mesh
+    from autoparallel import InfeasibleConstraintsError, fake_mesh
 
     model, input_fn = build_model(request)
     mesh = fake_mesh(request.mesh_shape, request.mesh_names)
     try:
-        start = time.perf_counter()
-        with AutoParallel(
-            model,
-            input_fn,
-            mesh,
-            request.mp_policy(),
-            hardware=request.hardware,
-            gpus_per_node=request.gpus_per_node,
-            trace_layers_once=not request.trace_all_layers,
-        ) as autop:
-            joint = autop.sharding_optimizer.problem.joint
-            ndim = len(request.mesh_shape)
-            autop.add_input_constraints(_batch_constraints(joint.user_inputs, request.batch, ndim))
-            outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
-            autop.add_output_constraints(_batch_constraints(outputs, request.batch, ndim))
-            if request.parameter_memory == "default":
-                autop.add_parameter_memory_constraint()
-            elif request.parameter_memory is not None:
-                autop.add_parameter_memory_constraint(high=float(request.parameter_memory))
-            if request.memory_budget is not None:
-                autop.add_memory_constraint(
-                    request.memory_budget, request.optimizer, request.activation_checkpointing
-                )
-            plan = autop.optimize_placement(verbose=request.verbose)
-            elapsed = time.perf_counter() - start
-            if request.save is not None:
-                autop.sharding_optimizer.save(str(request.save))
-            data = plan_data(autop)
-        data["run"] = _run_info(request, _depth(request, model), autop.stage_times_s, elapsed)
-        traced_once = autop.joint.layers_traced_once if autop.joint is not None else None
-        data["run"]["layers_traced_once"] = traced_once.path if traced_once is not None else None
-        return data, plan
+        return _planned(request, model, input_fn, mesh)
+    except InfeasibleConstraintsError as error:
+        flags = [_CONSTRAINT_FLAGS.get(name.split(":")[0], name) for name in error.conflict]
+        detail = " ".join(str(error).split())
+        raise UsageError(f"no plan meets {', '.join(dict.fromkeys(flags))}: {detail}") from error
     finally:
         dist.destroy_process_group()
+
+
+_CONSTRAINT_FLAGS = {
+    "memory": "--memory-budget",
+    "parameter_memory": "--parameter-memory",
+    "input": "--batch (inputs sharded on the batch)",
+    "output": "--batch (outputs sharded on the batch)",
+}
+"""The flag behind each constraint the plan command adds, to name in an infeasible plan."""
+
+
+def _planned(
+    request: PlanRequest, model: Any, input_fn: Callable[[], Any], mesh: Any
+) -> tuple[dict[str, Any], Any]:
+    """Plan ``model`` on ``mesh`` as ``request`` says; (plan JSON dict, Plan)."""
+    from autoparallel import AutoParallel
+
+    start = time.perf_counter()
+    with AutoParallel(
+        model,
+        input_fn,
+        mesh,
+        request.mp_policy(),
+        hardware=request.hardware,
+        gpus_per_node=request.gpus_per_node,
+        trace_layers_once=not request.trace_all_layers,
+    ) as autop:
+        joint = autop.sharding_optimizer.problem.joint
+        ndim = len(request.mesh_shape)
+        autop.add_input_constraints(_batch_constraints(joint.user_inputs, request.batch, ndim))
+        outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
+        autop.add_output_constraints(_batch_constraints(outputs, request.batch, ndim))
+        if request.parameter_memory == "default":
+            autop.add_parameter_memory_constraint()
+        elif request.parameter_memory is not None:
+            autop.add_parameter_memory_constraint(high=float(request.parameter_memory))
+        if request.memory_budget is not None:
+            autop.add_memory_constraint(
+                request.memory_budget, request.optimizer, request.activation_checkpointing
+            )
+        plan = autop.optimize_placement(verbose=request.verbose)
+        elapsed = time.perf_counter() - start
+        if request.save is not None:
+            autop.sharding_optimizer.save(str(request.save))
+        data = plan_data(autop)
+    data["run"] = _run_info(request, _depth(request, model), autop.stage_times_s, elapsed)
+    traced_once = autop.joint.layers_traced_once if autop.joint is not None else None
+    data["run"]["layers_traced_once"] = traced_once.path if traced_once is not None else None
+    return data, plan
 
 
 def _depth(request: PlanRequest, model: Any) -> int | None:
@@ -265,8 +294,18 @@ def _plan_command(request: PlanRequest) -> int:
 
 
 def _check_writable(path: Path | None, flag: str) -> None:
+    """UsageError unless ``path`` can be written as a file: its folder exists and it is
+    not a folder itself."""
     if path is not None and not path.parent.is_dir():
         raise UsageError(f"{flag} {path}: directory {path.parent} does not exist")
+    if path is not None and path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file name")
+
+
+def _ours(exc: BaseException) -> bool:
+    """An error of one of autoparallel's own types (an infeasible budget, a model that cannot
+    be traced, a file that is not what it should be): a message for the user, not a bug."""
+    return type(exc).__module__.split(".")[0] == "autoparallel"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -286,14 +325,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_writable(request.html, "--html")
         _check_writable(request.save, "--save")
         return _plan_command(request)
-    except (UsageError, saved.SavedUsageError) as exc:
-        message = " ".join(str(exc).split())  # one line, whatever a wrapped error said
-        print(f"autoparallel {args.command}: error: {message}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # e.g. `autoparallel explain plan.json | head`: the reader left
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush stays quiet
         return 0
+    except Exception as exc:
+        if not isinstance(exc, (UsageError, saved.SavedUsageError)) and not _ours(exc):
+            raise  # a bug: its traceback is what to report
+        message = " ".join(str(exc).split())  # one line, whatever a wrapped error said
+        print(f"autoparallel {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ starts.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -273,7 +274,7 @@ def parse_optimizer(text: str) -> str | float:
         value = float(key)
     except ValueError:
         value = -1.0
-    if value < 0:
+    if not 0 <= value < math.inf:  # NaN and infinity too
         raise UsageError(
             f"--optimizer {text!r}: give one of {', '.join(OPTIMIZERS)}, or the optimizer "
             "state's bytes per parameter element (e.g. 8)"

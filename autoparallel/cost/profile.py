@@ -61,9 +61,11 @@ def hardware_from_dict(data: dict[str, Any], where: str = "hardware") -> Hardwar
     """The ``Hardware`` of :func:`hardware_to_dict`'s data; ProfileError names a bad field."""
     names = {f.name for f in dataclasses.fields(Hardware)}
     known = {key: value for key, value in data.items() if key in names}
+    fits = data.get("collectives") or []
+    if not isinstance(fits, list):
+        raise ProfileError(f"{where}.collectives must be a list, got {fits!r}")
     known["collectives"] = tuple(
-        _collective_fit(entry, f"{where}.collectives[{index}]")
-        for index, entry in enumerate(data.get("collectives") or ())
+        _collective_fit(entry, f"{where}.collectives[{index}]") for index, entry in enumerate(fits)
     )
     if known.get("matmul_table") is not None:
         known["matmul_table"] = _matmul_table(known["matmul_table"], f"{where}.matmul_table")
@@ -78,6 +80,10 @@ def hardware_from_dict(data: dict[str, Any], where: str = "hardware") -> Hardwar
         elif field.type in ("bool", bool) and not isinstance(known[field.name], bool):
             raise ProfileError(
                 f"{where}.{field.name}: expected true or false, got {known[field.name]!r}"
+            )
+        elif field.type in ("str", str) and not isinstance(known[field.name], str):
+            raise ProfileError(
+                f"{where}.{field.name}: expected a string, got {known[field.name]!r}"
             )
     try:
         return Hardware(**known)

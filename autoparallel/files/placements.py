@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import Partial
 
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import (
@@ -68,29 +69,59 @@ def save_placements(plan: Plan, joint: JointGraph, path: str | Path) -> None:
 
 
 def load_placements(path: str | Path) -> SavedPlacements:
+    """The placements saved in ``path`` by :func:`save_placements`.
+
+    Raises :class:`PlacementFileError` naming the file (and the entry) when it is missing,
+    unreadable, not a placements file, of another version, or has an entry missing or of
+    the wrong type; placements are read in the seed's notation and must be ``S(dim)`` or
+    ``R`` (a ``Partial`` cannot be pinned).
+    """
     try:
         data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise PlacementFileError(
-            f"{path} is not a placements file (invalid JSON: {error})"
-        ) from error
-    if data.get("format") != "autoparallel-placements":
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PlacementFileError(f"{path} is not a readable placements file ({error})") from error
+    if not isinstance(data, dict) or data.get("format") != "autoparallel-placements":
         raise PlacementFileError(f"{path} is not an autoparallel placements file")
     if data.get("version") != FORMAT_VERSION:
         raise PlacementFileError(
             f"{path} has format version {data.get('version')}; this autoparallel reads version {FORMAT_VERSION}"
         )
+    for key, kind in _ENTRIES.items():
+        if not isinstance(data.get(key), kind):
+            raise PlacementFileError(
+                f"{path}: its {key!r} entry is missing or not a {kind.__name__}"
+            )
+    mesh_shape = data["mesh_shape"]
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in mesh_shape):
+        raise PlacementFileError(f"{path}: 'mesh_shape' {mesh_shape} is not a list of sizes")
 
-    def read(text: str | None) -> Placements | None:
-        return None if text is None else read_placements(text, path)
+    def read(text: str | None, where: str) -> Placements | None:
+        if text is None:
+            return None
+        if not isinstance(text, str):
+            raise PlacementFileError(f"{path}: {where} is {text!r}, not placements like 'S(0)R'")
+        placements = read_placements(text, path)
+        if any(isinstance(p, Partial) for p in placements):
+            raise PlacementFileError(f"{path}: {where} is {text}; a Partial cannot be pinned")
+        return placements
 
     return SavedPlacements(
-        mesh_shape=tuple(data["mesh_shape"]),
+        mesh_shape=tuple(mesh_shape),
         graph_fingerprint=data["graph_fingerprint"],
-        params={name: read(text) for name, text in data["params"].items()},
-        inputs=[read(t) for t in data["inputs"]],
-        outputs=[read(t) for t in data["outputs"]],
+        params={name: read(text, f"params[{name!r}]") for name, text in data["params"].items()},
+        inputs=[read(text, f"inputs[{i}]") for i, text in enumerate(data["inputs"])],
+        outputs=[read(text, f"outputs[{i}]") for i, text in enumerate(data["outputs"])],
     )
+
+
+_ENTRIES = {
+    "mesh_shape": list,
+    "graph_fingerprint": str,
+    "params": dict,
+    "inputs": list,
+    "outputs": list,
+}
+"""The entries of a placements file and their JSON types."""
 
 
 def read_placements(text: str, path: str | Path) -> Placements:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,15 @@ READ_VERSIONS = (1,)
 """Schema versions this code reads (:data:`SCHEMA_VERSION` must be one of them)."""
 
 _REQUIRED = {"mesh": dict, "totals": dict, "parameters": list}
+_OBJECTS = ("hardware", "solver", "memory", "run", "constraints")
+"""Optional sections that are objects (or null)."""
+_RECORDS = ("parameters", "nodes", "inputs", "outputs", "collectives", "layers", "buckets")
+_RECORDS += ("overlaps", "regions")
+"""Sections that are lists of objects; ``parameters`` and ``nodes`` name each entry."""
+_NUMBER = re.compile(r"(_us|_bytes|bytes_per_device|bandwidth|^time_s)$|^flops_")
+_MEMORY_NUMBERS = ("parameters", "gradients", "optimizer_state", "activations", "transient")
+_MEMORY_NUMBERS += ("peak", "budget")
+"""Keys whose values the readers compute with: numbers (or null) wherever they appear."""
 
 
 class PlanJsonError(ValueError):
@@ -257,7 +267,9 @@ class PlanJsonError(ValueError):
 
 
 def read_plan_json(path: str | Path) -> dict[str, Any]:
-    """The plan dict in ``path``, checked for the schema version and the sections tools read."""
+    """The plan dict in ``path``, checked for the schema version and the sections tools read
+    (their types, the names of parameters and nodes, the numbers the summary and the diff
+    compute with): :class:`PlanJsonError` naming the file and the entry otherwise."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -275,7 +287,50 @@ def read_plan_json(path: str | Path) -> dict[str, Any]:
             raise PlanJsonError(
                 f"{path} is not a complete plan JSON: its {key!r} entry is missing or not a {kind.__name__}"
             )
+    problem = _section_problem(data)
+    if problem is not None:
+        raise PlanJsonError(f"{path} is not a plan JSON this version reads: {problem}")
     return data
+
+
+def _section_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with the sections the tools read (their types, the names of the
+    parameters and nodes, the numbers they compute with), or None."""
+    for key in _OBJECTS:
+        if not isinstance(data.get(key), (dict, type(None))):
+            return f"its {key!r} entry is not an object"
+    for key in _RECORDS:
+        entries = data.get(key) or []
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            return f"its {key!r} entry is not a list of objects"
+        if key in ("parameters", "nodes") and not all(
+            isinstance(e.get("name"), str) for e in entries
+        ):
+            return f"an entry of {key!r} has no name"
+    shape = data["mesh"].get("shape")
+    if not isinstance(shape, list) or not all(isinstance(s, int) for s in shape):
+        return f"its mesh shape {shape!r} is not a list of sizes"
+    memory = data.get("memory") or {}
+    numbers = [(f"memory.{k}", memory.get(k)) for k in _MEMORY_NUMBERS] + _numbers(data, "")
+    for where, value in numbers:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{where} is {value!r}, not a number"
+    return None
+
+
+def _numbers(value: Any, where: str) -> list[tuple[str, Any]]:
+    """(where, value) of every entry, at any depth, whose key says it holds a number."""
+    found = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and _NUMBER.search(key):
+                found.append((inner, item))
+            found.extend(_numbers(item, inner))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found.extend(_numbers(item, f"{where}[{index}]"))
+    return found
 
 
 def _check_version(path: Path, version: Any) -> None:

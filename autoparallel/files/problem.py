@@ -16,6 +16,8 @@ import json
 import operator
 from pathlib import Path
 from typing import Any
+from zipfile import BadZipFile
+from zlib import error as ZlibError
 
 import numpy as np
 import torch
@@ -286,19 +288,57 @@ def _pack_rows(rows: list[Row]) -> dict[str, np.ndarray]:
 
 
 def load_problem(path: str | Path) -> tuple[Problem, tuple[str, ...] | None, Solution | None]:
-    """(problem, mesh dim names, the saved solution or None) from :func:`save_problem`."""
+    """(problem, mesh dim names, the saved solution or None) from :func:`save_problem`.
+
+    Raises :class:`PlacementFileError` naming ``path`` for a file that is missing, not a
+    saved problem, of another format version, or damaged (an entry missing or of the wrong
+    type, arrays whose sizes disagree, a solution choosing strategies that do not exist):
+    whatever is wrong with the file, never an error from deep in the decoding or the solver.
+    """
     try:
-        archive = np.load(path, allow_pickle=False)
-        meta = json.loads(archive["meta"].tobytes().decode())
-    except Exception as error:
+        with open(path, "rb") as handle:
+            is_zip = handle.read(4) == b"PK\x03\x04"  # an .npz is a zip archive
+        archive = np.load(path, allow_pickle=False) if is_zip else None
+        meta = json.loads(archive["meta"].tobytes().decode()) if archive is not None else None
+    except Exception as error:  # OSError, a damaged zip, meta that is not JSON
         raise PlacementFileError(f"{path} is not a saved autoparallel problem: {error}") from error
-    if meta.get("format") != FORMAT:
-        raise PlacementFileError(f"{path} is not a saved autoparallel problem")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise PlacementFileError(f"{path} is not a saved autoparallel problem (.npz)")
     if meta.get("version") != VERSION:
         raise PlacementFileError(
             f"{path} has problem format version {meta.get('version')}; this autoparallel reads {VERSION}"
         )
+    try:
+        problem, names, solution = _decode_problem(archive, meta)
+        _check_sizes(problem, solution)
+    except _DAMAGED as e:
+        what = f"no entry {e.args[0]!r}" if type(e) is KeyError else " ".join(str(e).split())
+        message = f"{path} is a damaged saved problem ({what}); save it again"
+        raise PlacementFileError(message) from e
+    return problem, names, solution
 
+
+_DAMAGED = (LookupError, TypeError, ValueError, AttributeError, OSError, BadZipFile, ZlibError)
+"""What decoding a damaged file raises: an entry missing or of a wrong type, a bad CRC."""
+
+
+def _check_sizes(problem: Problem, solution: Solution | None) -> None:
+    """ValueError where the arrays and records of a loaded problem disagree."""
+    columns, ranges = problem.num_variables, [*problem.node_columns.values(), *problem.edge_columns]
+    used = max((int(c[-1]) + 1 for c in ranges if len(c)), default=0)
+    if len(problem.integrality) != columns or used > columns:
+        sizes = f"{columns} objective, {len(problem.integrality)} integrality entries"
+        raise ValueError(f"{sizes} for {used} columns")
+    if any(len(r.columns) and int(r.columns.max()) >= columns for r in problem.rows):
+        raise ValueError(f"a row names a column past the {columns} columns")
+    for node, index in (solution.choice if solution else {}).items():
+        if not 0 <= index < len(problem.space[node].strategies):
+            raise ValueError(f"the solution chooses strategy {index} of node {node.name}")
+
+
+def _decode_problem(
+    archive: Any, meta: dict
+) -> tuple[Problem, tuple[str, ...] | None, Solution | None]:
     graph = fx.Graph()
     by_name: dict[str, fx.Node] = {}
     strategy_lists = [_decode_strategies(s) for s in meta["strategy_lists"]]

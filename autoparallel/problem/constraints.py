@@ -12,6 +12,8 @@ be listed, removed and re-solved, and an infeasible set is explained by name.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +87,16 @@ def parameter_memory_range(problem: Problem) -> tuple[float, float, float]:
     return replicated, smallest, replicated / world
 
 
+def byte_count(value: Any, what: str) -> float:
+    """``value`` as a number of bytes: TypeError naming ``what`` for anything but a real
+    number (a string such as "1GB" included), ValueError for NaN or a negative count."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of bytes, got {value!r}")
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{what} must be a non-negative number of bytes, got {value!r}")
+    return float(value)
+
+
 def parameter_memory_constraint(
     problem: Problem, name: str, low: float | None, high: float | None
 ) -> UserConstraint:
@@ -93,12 +105,14 @@ def parameter_memory_constraint(
     Defaults: ``high`` is the smallest achievable per-device parameter memory (every
     parameter as sharded as its shape allows: 1/world-size for shardable parameters,
     replicated for ones too small or indivisible), so the constraint pushes toward
-    1/world-size and is always feasible; ``low`` is 0.
+    1/world-size and is always feasible; ``low`` is 0. Bounds go through :func:`byte_count`;
+    ValueError when ``low > high``.
     """
+    lower = 0.0 if low is None else byte_count(low, "parameter memory low")
+    upper_given = None if high is None else byte_count(high, "parameter memory high")
     columns, values = parameter_bytes(problem)
     replicated, smallest, _ = parameter_memory_range(problem)
-    upper = smallest * (1 + 1e-9) + 1.0 if high is None else float(high)
-    lower = 0.0 if low is None else float(low)
+    upper = smallest * (1 + 1e-9) + 1.0 if upper_given is None else upper_given
     if lower > upper:
         raise ValueError(f"parameter memory constraint has low={lower:.0f} B > high={upper:.0f} B")
     rows = [Row(columns, values / MIB, lower / MIB, upper / MIB).merged()]

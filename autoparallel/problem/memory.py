@@ -151,7 +151,7 @@ def memory_constraint_of(
         rows.append(_sum_of(base_rows[base], added))
     smallest = smallest_peak(model)
     description = (
-        f"peak memory per device <= {_gib(budget)} with {model.optimizer.name}"
+        f"peak memory per device <= the budget of {_gib(budget)} with {model.optimizer.name}"
         + (
             (", recomputing every layer" if every_layer else ", recomputing layers where it pays")
             if model.recompute

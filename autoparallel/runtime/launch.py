@@ -49,12 +49,37 @@ def fake_mesh(
     plan it gives is the plan every real rank computes. Any default process group already
     started in this process is destroyed first; call ``torch.distributed.destroy_process_group()``
     when done.
+
+    Raises TypeError or ValueError naming the argument for a ``shape`` that is not a
+    non-empty tuple of positive ints, ``mesh_dim_names`` that are not one distinct non-empty
+    string per dim, or a ``rank`` that is not an int within the mesh.
     """
+    if not isinstance(shape, (tuple, list)) or not all(_is_int(s) for s in shape):
+        raise TypeError(f"fake_mesh shape must be a tuple of ints, e.g. (2, 4), got {shape!r}")
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"fake_mesh shape {tuple(shape)}: give at least one dim, each >= 1")
+    if mesh_dim_names is not None and (
+        not isinstance(mesh_dim_names, (tuple, list))
+        or len(mesh_dim_names) != len(shape)
+        or not all(isinstance(n, str) and n for n in mesh_dim_names)
+        or len(set(mesh_dim_names)) != len(mesh_dim_names)
+    ):
+        raise ValueError(
+            f"mesh_dim_names must be {len(shape)} distinct non-empty strings, one per dim of "
+            f"{tuple(shape)}, got {mesh_dim_names!r}"
+        )
     world_size = math.prod(shape)
+    if not _is_int(rank):
+        raise TypeError(f"rank must be an int, got {rank!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a mesh of {world_size} ranks {tuple(shape)}")
     init_fake_process_group(world_size, rank)
-    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=mesh_dim_names)
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -43,6 +43,7 @@ from autoparallel.runtime.faults import (
 )
 from autoparallel.runtime.init import (
     INIT_METHODS,
+    InitError,
     data_assignment_error,
     run_under_full_value_init,
 )
@@ -470,7 +471,7 @@ def _local_tensors(module: nn.Module, names: list[str], get: Any) -> list[torch.
     eager = not torch.compiler.is_compiling()
     for name, tensor in zip(names, tensors):  # one pass per step: both checks are cheap
         if tensor.is_meta:
-            raise RuntimeError(
+            raise InitError(
                 f"{name} is still on the meta device: call parallel_model.to_empty(device=...) and "
                 "initialize it (init_weights() / load_state_dict(...)) before running"
             )
@@ -510,6 +511,7 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     named_buffers = dict(self.named_buffers(remove_duplicate=False))
     params = _local_tensors(self, list(runtime.joint.params), named_params.__getitem__)
     buffers = _local_tensors(self, list(runtime.joint.buffers), named_buffers.__getitem__)
+    _check_devices(leaves, params + buffers)
     if torch.is_grad_enabled():
         results = list(_run_joint(runtime, len(params), len(buffers), *params, *buffers, *leaves))
     else:
@@ -518,6 +520,20 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     for index, value in zip(runtime.output_indices, results):
         outputs[index] = value
     return tree_unflatten(outputs, runtime.joint.out_spec)
+
+
+def _check_devices(leaves: list[Any], state: list[torch.Tensor]) -> None:
+    """InputMismatchError for an input on another kind of device than the module's local
+    parameters and buffers (a meta input to a materialized module, a CPU one to a CUDA one)."""
+    if not state:
+        return
+    device = state[0].device
+    for index, leaf in enumerate(leaves):
+        if leaf.device.type != device.type:
+            raise InputMismatchError(
+                f"input {index} is on {leaf.device} but the module's parameters are on "
+                f"{device}; move the input there"
+            )
 
 
 def _load_state_dict(

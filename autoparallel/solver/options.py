@@ -4,6 +4,8 @@ relaxation into a plan). Imports no stage."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 
@@ -54,3 +56,19 @@ class SolverOptions:
     priced_search: bool = True
     budget_relaxation_wait_s: float = 15.0
     relaxation_solver: str = "simplex"
+
+    def __post_init__(self) -> None:
+        """Refuse a time limit or gap the solver could not use (TypeError for a value that
+        is not a number, ValueError out of range), naming the argument."""
+        for name, lowest, allow_equal in (
+            ("time_limit_s", 0.0, False),
+            ("relative_gap", 0.0, True),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if math.isnan(value) or value < lowest or (value == lowest and not allow_equal):
+                relation = ">=" if allow_equal else ">"
+                raise ValueError(f"{name} must be {relation} {lowest:g}, got {value!r}")
+        if math.isinf(self.relative_gap):
+            raise ValueError(f"relative_gap must be finite, got {self.relative_gap!r}")

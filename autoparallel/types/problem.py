@@ -7,6 +7,7 @@ solves it. The variables and rows are described in ``problem/build.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,17 @@ from autoparallel.types.memory import MemoryModel
 from autoparallel.types.strategies import StrategySpace
 
 MIB = float(1 << 20)
+
+
+class UnknownNameError(ValueError, KeyError):
+    """A name (of a node, a node's input, a constraint) that the problem does not have.
+
+    A ValueError (a bad argument) that is also the KeyError these lookups raised before, so
+    callers catching KeyError keep working; its text is the message, not KeyError's repr.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass
@@ -276,11 +288,21 @@ class Problem:
         """The user constraint that adds columns, if any (see AuxiliaryColumns)."""
         return next((n for n, c in self.user_constraints.items() if c.columns is not None), None)
 
-    def remove_constraints(self, names: list[str]) -> None:
+    def remove_constraints(self, names: Iterable[str]) -> list[str]:
+        """Remove the named user constraints and return their names: TypeError for a bare
+        string or anything else that is not a collection of names, UnknownNameError naming
+        any that do not exist (then nothing is removed)."""
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise TypeError(
+                f"remove_constraints takes a list of constraint names, got {names!r}"
+                + (f"; write remove_constraints([{names!r}])" if isinstance(names, str) else "")
+            )
+        names = list(names)
         unknown = [n for n in names if n not in self.user_constraints]
         if unknown:
-            raise KeyError(
+            raise UnknownNameError(
                 f"no such constraints: {unknown}; existing: {sorted(self.user_constraints)}"
             )
         for name in names:
             del self.user_constraints[name]
+        return names
