@@ -157,7 +157,7 @@ class Launch:
 
 
 def _free_port() -> int:
-    from autoparallel._testing.harness import find_free_port
+    from autoparallel.runtime.launch import find_free_port
 
     return find_free_port()
 

@@ -227,3 +227,48 @@ def test_no_python_file_passes_the_line_limit():
         if (count := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines (split each by idea): {long}"
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """Names a module defines or imports at its top level (what ``from it import x`` finds)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        targets: list[ast.AST] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, (ast.Try, ast.If)):
+            for child in ast.walk(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    names.update((a.asname or a.name).split(".")[0] for a in child.names)
+        for target in targets:
+            elements = target.elts if isinstance(target, ast.Tuple) else [target]
+            names.update(e.id for e in elements if isinstance(e, ast.Name))
+    return names
+
+
+def test_every_import_of_the_package_resolves():
+    """A move or rename leaves no import behind, function-local ones included (they only fail
+    when their function runs: in a benchmark, a spawned rank, an error path)."""
+    modules = _modules()
+    broken: list[str] = []
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                continue
+            if node.module != "autoparallel" and not node.module.startswith("autoparallel."):
+                continue
+            where = f"{path.relative_to(REPOSITORY)}:{node.lineno}"
+            if node.module not in modules:
+                broken.append(f"{where}: no module {node.module}")
+                continue
+            defined = _top_level_names(modules[node.module])
+            for alias in node.names:
+                if alias.name not in defined and f"{node.module}.{alias.name}" not in modules:
+                    broken.append(f"{where}: {node.module} has no {alias.name}")
+    assert not broken, "imports that no longer resolve:\n" + "\n".join(broken)
