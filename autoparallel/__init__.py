@@ -17,6 +17,7 @@ from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError
 from autoparallel.runtime.init import InitError, full_value_init
 from autoparallel.runtime.launch import fake_mesh
+from autoparallel.runtime.shutdown import shutdown_distributed
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.trace.errors import TraceError
 from autoparallel.trace.sharding_constraint import with_sharding_constraint
@@ -27,6 +28,7 @@ __all__ = [
     "AutoParallel",
     "auto_parallel",
     "fake_mesh",
+    "shutdown_distributed",
     "autoparallel_backend",
     "with_sharding_constraint",
     "local_map",

@@ -73,7 +73,30 @@ def _workload(name: str) -> Any:
 
 
 def rank_main(model: str, compiled: bool, out: str) -> None:
-    """One rank of one launch (the environment says which): plan, train, report losses."""
+    """One rank of one launch (the environment says which): plan, train, report losses,
+    then leave as a user should (autoparallel.shutdown_distributed, runtime/shutdown.py)."""
+    import torch
+    import torch.distributed as dist
+
+    from autoparallel import shutdown_distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    os.dup2(2, 1)  # the solver's banner goes to the log, not to the parent's table
+    losses, issued = _train(model, compiled, rank, world_size)
+    print(f"{ISSUED}{json.dumps(issued)}", file=sys.stderr, flush=True)
+    total = torch.stack(losses)
+    dist.all_reduce(total)
+    if rank == 0:
+        Path(out).write_text(json.dumps((total / world_size).tolist()))
+    shutdown_distributed()
+    print(DONE, file=sys.stderr, flush=True)
+
+
+def _train(model: str, compiled: bool, rank: int, world_size: int) -> tuple[list, list[int]]:
+    """Plan ``model`` on a fresh mesh and train it STEPS steps; the losses (this rank's) and
+    the collectives issued in each step. The mesh and the module die when this returns."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -81,15 +104,11 @@ def rank_main(model: str, compiled: bool, out: str) -> None:
     from autoparallel import autoparallel_backend
     from benchmarks.workloads import local_rows, loss_of, make_optimizer, plan_ours
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     if model == "moe-tiny":  # experts over "ep", as benchmarks/moe_step_time.py plans it
         mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "ep"))
     else:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     workload = _workload(model)
-    os.dup2(2, 1)  # the solver's banner goes to the log, not to the parent's table
     module = plan_ours(workload, mesh).module
     optimizer = make_optimizer(module)
     run = (
@@ -111,13 +130,7 @@ def rank_main(model: str, compiled: bool, out: str) -> None:
         optimizer.step()
         losses.append(loss.detach().double())
         issued.append(group._get_sequence_number_for_group() - before)
-    print(f"{ISSUED}{json.dumps(issued)}", file=sys.stderr, flush=True)
-    total = torch.stack(losses)
-    dist.all_reduce(total)
-    if rank == 0:
-        Path(out).write_text(json.dumps((total / world_size).tolist()))
-    dist.destroy_process_group()
-    print(DONE, file=sys.stderr, flush=True)
+    return losses, issued
 
 
 # ---------------------------------------------------------------------------------- launches

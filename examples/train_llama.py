@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 if __package__ in (None, ""):  # run from a checkout: make `autoparallel` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autoparallel import AutoParallel
+from autoparallel import AutoParallel, shutdown_distributed
 from autoparallel.models import Llama, llama_config
 
 GLOBAL_BATCH, SEQ = 8, 32
@@ -76,7 +76,7 @@ def main() -> int:
         train(args, device, rank, world_size)
         return 0
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()  # joins gloo's threads before the interpreter exits
 
 
 def train(args: argparse.Namespace, device: torch.device, rank: int, world_size: int) -> None:

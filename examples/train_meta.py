@@ -43,7 +43,7 @@ from torch.distributed.tensor import Replicate, Shard
 if __package__ in (None, ""):  # run from a checkout: make `autoparallel` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autoparallel import AutoParallel, Plan, autoparallel_backend
+from autoparallel import AutoParallel, Plan, autoparallel_backend, shutdown_distributed
 from autoparallel.models import Llama, llama_config
 from autoparallel.types.placements import placement_str
 
@@ -134,7 +134,7 @@ def main() -> int:
         train(args, device, rank)
         return 0
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()  # joins gloo's threads before the interpreter exits
 
 
 def log(rank: int, message: str) -> None:

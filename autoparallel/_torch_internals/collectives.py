@@ -28,6 +28,33 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def release_mesh_groups() -> int:
+    """Drop the process groups every live ``DeviceMesh`` still holds; returns how many meshes
+    held some. Call it only after ``destroy_process_group()``, when those groups are dead.
+
+    Private on two counts, and no public API does it: a DeviceMesh keeps its groups' objects
+    in ``_pg_registry``, and torch's own module-level caches (DTensor's redistribute planner
+    cache, ``MeshTopoInfo.build_from_mesh``, the sharding propagation caches) keep every mesh
+    that ever redistributed alive for the life of the process. So a gloo group outlives
+    ``destroy_process_group()`` with its worker threads running, until the interpreter's exit
+    (runtime/shutdown.py says why that can abort the process). Without the registry (a torch
+    whose mesh holds group names only) there is nothing to drop."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    released = 0
+    for obj in gc.get_objects():
+        # the type's MRO, not isinstance: DeviceMesh's metaclass check touches attributes of
+        # every object it is asked about, and some of torch's objects warn when touched
+        is_mesh = DeviceMesh in type(obj).__mro__
+        registry = getattr(obj, "_pg_registry", None) if is_mesh else None
+        if registry:
+            registry.clear()
+            released += 1
+    return released
+
+
 # runtime's coalesced gradient reductions call them directly (runtime/coalesce.py).
 
 

@@ -142,6 +142,7 @@ def _calibrate_launched(settings: Any) -> Any:
     import torch.distributed as dist
 
     from autoparallel.calibrate.run import calibrate_group
+    from autoparallel.runtime.shutdown import shutdown_distributed
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
@@ -149,4 +150,4 @@ def _calibrate_launched(settings: Any) -> Any:
         result = calibrate_group(settings)
         return result if dist.get_rank() == 0 else None
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()  # joins gloo's threads before the interpreter exits

@@ -32,6 +32,7 @@ import torch.multiprocessing as torch_mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoparallel._torch_internals import init_fake_process_group
+from autoparallel.runtime.shutdown import shutdown_distributed
 
 __all__ = ["RankPool", "fake_mesh", "find_free_port", "pin_to_core", "run_distributed"]
 
@@ -146,18 +147,16 @@ def _worker(
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        value = fn(rank, world_size, *args, **kwargs)
         # Pickle here (plain pickle: tensors travel by value) so that an unpicklable return
         # value is reported as this rank's error, and nothing depends on shared memory that
-        # disappears when the child exits.
-        message = (rank, "ok", pickle.dumps(value))
+        # disappears when the child exits; the value itself dies here, before the shutdown.
+        message = (rank, "ok", pickle.dumps(fn(rank, world_size, *args, **kwargs)))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         message = (rank, "error", traceback.format_exc())
     # Report before leaving the group: leaving closes the connections, which makes peers
     # blocked in a collective fail too, and their report should not overtake this one.
     results.put(message)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_distributed()  # joins gloo's threads while the interpreter is alive
 
 
 def _stop(processes: Sequence[Any]) -> None:
@@ -305,14 +304,13 @@ def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, results: Any
     while (task := tasks.get()) is not None:
         number, fn, args, kwargs = task
         try:
-            value = fn(rank, world_size, *args, **kwargs)
-            message = (number, rank, "ok", pickle.dumps(value))
+            message = (number, rank, "ok", pickle.dumps(fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - everything is reported to the parent
             message = (number, rank, "error", traceback.format_exc())
         # what one task compiled must not change how the next one compiles
         torch.compiler.reset()
         results.put(message)
-    dist.destroy_process_group()
+    shutdown_distributed()  # joins gloo's threads while the interpreter is alive
 
 
 class RankPool:

@@ -177,3 +177,21 @@ def resume_and_uninterrupted(rank: int, world_size: int, directory: str) -> dict
     resumed = _train(mesh, Path(directory) / "b", steps=6, save_every=2, resume_from=4)
     uninterrupted = _train(mesh, Path(directory) / "a", steps=6, save_every=2)
     return {"resumed": resumed, "uninterrupted": uninterrupted}
+
+
+def train_then_shut_down(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    """Train the sharded MLP a step, drop it, then leave with ``shutdown_distributed``: the
+    gloo collective threads running before the shutdown and those still running after."""
+    from autoparallel import shutdown_distributed
+    from autoparallel.runtime.shutdown import collective_threads
+
+    _train_one_step(rank, world_size)  # the module and the mesh die when it returns
+    before = collective_threads()
+    return before, shutdown_distributed()
+
+
+def _train_one_step(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    parallel, optimizer = parallel_mlp(mesh)
+    _global_loss(parallel(_rows(batch_at(0), mesh)), mesh).backward()
+    optimizer.step()
