@@ -90,7 +90,9 @@ def rank_main(model: str, compiled: bool, out: str) -> None:
     dist.all_reduce(total)
     if rank == 0:
         Path(out).write_text(json.dumps((total / world_size).tolist()))
-    shutdown_distributed()
+    left = shutdown_distributed()
+    if left:  # an error: the exit would race those threads (runtime/shutdown.py)
+        raise SystemExit(f"soak: collective threads left after shutdown_distributed: {left}")
     print(DONE, file=sys.stderr, flush=True)
 
 
