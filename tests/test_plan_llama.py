@@ -20,9 +20,11 @@ def tokens(batch: int = 8, seq: int = 32):
 
 
 # On a 3-D mesh the exact problem grows fast (about 60 placements per 2-D tensor, priced
-# pairwise on every edge); the narrower config keeps this test near a minute until the
-# problem is compacted (folding and pruning are their own issue).
-NARROW = llama_config("tiny", dim=36, n_heads=3, n_kv_heads=1, ffn_hidden=90, vocab_size=250)
+# pairwise on every edge): one narrow layer keeps this test short until the 3-D problem is
+# compacted (issue 46); the layer holds every op kind of the deeper configs.
+NARROW = llama_config(
+    "tiny", dim=36, n_heads=3, n_kv_heads=1, ffn_hidden=90, vocab_size=250, n_layers=1
+)
 
 
 @pytest.mark.parametrize(
@@ -44,7 +46,7 @@ def test_llama_plans_on_meshes_and_honours_constraints(fake_mesh, shape, config,
     # memory constraint: the big matrices are sharded on every mesh dimension
     for name in (
         "layers.0.attention.wq.weight",
-        "layers.1.feed_forward.w2.weight",
+        f"layers.{config.n_layers - 1}.feed_forward.w2.weight",
         "output.weight",
     ):
         assert any(isinstance(p, Shard) for p in plan.param_placements[name]), name

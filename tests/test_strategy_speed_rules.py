@@ -16,7 +16,10 @@ from autoparallel.trace.export import trace_joint
 
 # 2 layers, narrow: every op kind of the LLaMA, with fewer evenly dividing shards per tensor,
 # so DTensor's own whole-mesh pricing (the oracle here) takes ~25 s on (2, 2, 2), not ~60 s
-CONFIG = llama_config("tiny", dim=36, n_heads=3, n_kv_heads=1, ffn_hidden=90, vocab_size=250)
+# one layer: every op kind of a deeper model, half the strategies DTensor expands slowly
+CONFIG = llama_config(
+    "tiny", dim=36, n_heads=3, n_kv_heads=1, ffn_hidden=90, vocab_size=250, n_layers=1
+)
 MIRRORED = (
     "view",
     "_unsafe_view",
