@@ -59,10 +59,13 @@ import hashlib
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,7 +112,10 @@ budget that never binds), to set the price of recomputation beside its measured 
 def _build_variant(
     variant: str, workload_name: str, mesh: object, rank: int, world_size: int, hardware: str
 ) -> _Variant:
+    """``variant`` is a recipe (priced on ``hardware``), ``recipe@label`` (priced on the
+    hardware model of that label, see :func:`hardware_labels`) or one of torch's own."""
     workload = WORKLOADS[workload_name]
+    variant = variant.split(AT)[0]
     info: dict = {}
     plan = None
     if variant == "torch-ddp":
@@ -153,6 +159,29 @@ def plan_key(plan: Any) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
+AT = "@"
+"""Joins a recipe and the label of the hardware model it was planned and priced on, for
+the models after the first (``free@profile-2``); the first model's variants are the bare
+recipes."""
+
+
+def hardware_labels(hardware: list[str]) -> dict[str, str]:
+    """A short unique label per hardware model: a profile's file stem, a preset's name."""
+    labels: dict[str, str] = {}
+    for index, item in enumerate(hardware):
+        label = Path(item).stem if item.endswith(".json") else item
+        labels[item] = label if label not in labels.values() else f"{label}-{index + 1}"
+    return labels
+
+
+def variant_hardware(variant: str, settings: dict) -> str:
+    """The hardware model a variant of ours is planned and priced on."""
+    if AT not in variant:
+        return settings["hardware"][0]
+    label = variant.split(AT, 1)[1]
+    return next(h for h, name in hardware_labels(settings["hardware"]).items() if name == label)
+
+
 def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) -> dict:
     """One rank: build every variant, then time them round-robin (``rounds`` rounds of
     ``steps`` steps each, ``workloads.round_robin``), so a slow spell of the machine falls
@@ -167,7 +196,7 @@ def fidelity_rank(rank: int, world_size: int, workload_name: str, args: dict) ->
         torch.manual_seed(0)
         try:
             built[variant] = _build_variant(
-                variant, workload_name, mesh, rank, world_size, args["hardware"]
+                variant, workload_name, mesh, rank, world_size, variant_hardware(variant, args)
             )
         except Exception as exc:  # a failing variant must not hide the others' figures
             traceback.print_exc()
@@ -265,6 +294,59 @@ def summarize(results: dict) -> dict:
     return summary
 
 
+AGREE = 0.10
+"""Hardware models of one machine agree when each recipe's predictions lie within this share."""
+AS_FAST = 0.05
+"""A free plan is as fast as the run's fastest plan when within this share of it."""
+
+
+def across_hardware(results: dict, labels: list[str]) -> dict:
+    """How far apart the hardware models' predictions of each recipe lie ((max - min) / min
+    over the models), and how the free plan each model chose measured against the fastest
+    plan of ours in the run (any model's, any recipe's) and torch's DDP. ``labels``: the
+    models in order, the first one's variants being the bare recipes."""
+
+    def name(recipe: str, label: str) -> str:
+        return recipe if label == labels[0] else f"{recipe}{AT}{label}"
+
+    def ok(variant: str) -> bool:
+        return results.get(variant, {}).get("status") == "ok"
+
+    spread = {}
+    for recipe in (*RECIPES, TWIN, "recompute"):
+        predicted = [
+            results[name(recipe, label)]["predicted_ms"]
+            for label in labels
+            if ok(name(recipe, label))
+        ]
+        if len(predicted) >= 2:
+            spread[recipe] = round(max(predicted) / min(predicted) - 1, 3)
+    ours = {
+        v: r["measured_ms"]
+        for v, r in results.items()
+        if r["status"] == "ok" and r.get("predicted_ms") is not None
+    }
+    summary: dict = {"prediction_spread": spread}
+    if spread:
+        summary["max_prediction_spread"] = max(spread.values())
+        summary["models_agree"] = summary["max_prediction_spread"] <= AGREE
+    if not ours:
+        return summary
+    fastest = min(ours, key=ours.__getitem__)
+    free = {label: ours[name("free", label)] for label in labels if name("free", label) in ours}
+    summary["fastest_plan"] = fastest
+    summary["free_over_fastest"] = {
+        label: round(ms / ours[fastest], 3) for label, ms in free.items()
+    }
+    summary["free_slower_than_fastest"] = [
+        label for label, ratio in summary["free_over_fastest"].items() if ratio > 1 + AS_FAST
+    ]
+    if ok("torch-ddp"):
+        ddp = results["torch-ddp"]["measured_ms"]
+        summary["free_over_torch_ddp"] = {label: round(ms / ddp, 3) for label, ms in free.items()}
+    return summary
+
+
 def print_table(model: str, nproc: int, results: dict, summary: dict) -> None:
     print(f"\n{model}, {nproc} ranks", file=sys.stderr)
     header = (
@@ -293,11 +375,39 @@ def print_table(model: str, nproc: int, results: dict, summary: dict) -> None:
             ),
             file=sys.stderr,
         )
-    print("  " + ", ".join(f"{k} {v}" for k, v in summary.items()), file=sys.stderr)
+    print(
+        "  " + ", ".join(f"{k} {v}" for k, v in summary.items() if k != "across_hardware"),
+        file=sys.stderr,
+    )
+    across = summary.get("across_hardware")
+    if across:
+        print(f"  across hardware models: {json.dumps(across)}", file=sys.stderr)
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def calibrate_profiles(
+    count: int, nproc: int, pin_cores: bool, directory: Path | None
+) -> list[str]:
+    """``count`` profiles of this machine, one ``autoparallel calibrate`` after the other
+    (``nproc`` ranks, as the measured runs): their paths."""
+    directory = directory or Path(tempfile.mkdtemp(prefix="plan-fidelity-profiles-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index in range(count):
+        path = directory / f"profile-{index + 1}.json"
+        command = [sys.executable, "-m", "autoparallel.cli", "calibrate", "--nproc", str(nproc)]
+        command += ["--out", str(path)] + (["--pin-cores"] if pin_cores else [])
+        print(
+            f"[plan_fidelity] calibration {index + 1} of {count}: {' '.join(command[1:])}",
+            file=sys.stderr,
+            flush=True,
+        )
+        subprocess.run(command, check=True, stdout=sys.stderr)
+        paths.append(str(path))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,7 +433,28 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=3, help="round-robin rounds over the variants"
     )
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--hardware", default="cpu", help="preset name or calibrated profile.json")
+    parser.add_argument(
+        "--hardware",
+        nargs="+",
+        default=None,
+        help="preset names or calibrated profile.json files (default: cpu); the first prices "
+        "the bare recipes, every other one plans and prices them again as recipe@label",
+    )
+    parser.add_argument(
+        "--calibrate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="calibrate this machine K times first (autoparallel calibrate) and plan under "
+        "each profile, then under any --hardware given: how far apart their predictions "
+        "lie, and whether each one's free plan is as fast as the run's fastest plan",
+    )
+    parser.add_argument(
+        "--profiles-dir",
+        type=Path,
+        default=None,
+        help="where --calibrate writes its profiles (default: a new temporary directory)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds per model and rank count"
     )
@@ -337,13 +468,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "need --steps >= 1, --rounds >= 1 and --warmup >= 1 (the first step traces the local graphs)"
         )
-    if args.hardware == "cpu":
+    if args.calibrate < 0:
+        parser.error("--calibrate needs K >= 0")
+    calibrated = (
+        calibrate_profiles(args.calibrate, args.nproc[0], args.pin_cores, args.profiles_dir)
+        if args.calibrate
+        else []
+    )
+    args.hardware = calibrated + (args.hardware or ([] if calibrated else ["cpu"]))
+    if args.hardware == ["cpu"]:
         print(
             "[plan_fidelity] pricing on the 'cpu' preset; calibrate this machine first "
             "(autoparallel calibrate --nproc 2 --out profile.json) and pass --hardware profile.json",
             file=sys.stderr,
         )
-    variants = list(args.recipes) + ([] if args.no_torch else list(TORCH_VARIANTS))
+    labels = list(hardware_labels(args.hardware).values())
+    variants = (
+        list(args.recipes)
+        + [f"{recipe}{AT}{label}" for label in labels[1:] for recipe in args.recipes]
+        + ([] if args.no_torch else list(TORCH_VARIANTS))
+    )
     settings = {
         "rounds": args.rounds,
         "variants": variants,
@@ -370,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             failed |= any(r["status"] != "ok" for r in results.values())
             summary = summarize(results)
+            if len(labels) > 1:
+                summary["across_hardware"] = across_hardware(results, labels)
             line = {
                 "model": model,
                 "nproc": nproc,
@@ -423,10 +569,15 @@ def _errors(results: dict) -> list[float]:
 def _figures(args: argparse.Namespace, tables: list) -> list[dict]:
     """The results records of a run: one per model and rank count, and the run's count of
     cells within ``WITHIN``."""
-    pinned = ("-pinned" if args.pin_cores else "") + preset_suffix(args.hardware)
-    where = f"priced on {args.hardware}" + (", each rank on one core" if args.pin_cores else "")
+    pinned = ("-pinned" if args.pin_cores else "") + preset_suffix(args.hardware[0])
+    where = f"priced on {', '.join(args.hardware)}" + (
+        ", each rank on one core" if args.pin_cores else ""
+    )
     figures = []
     for model, nproc, results, summary in tables:
+        across = summary.get("across_hardware")
+        if across:
+            figures.append(_across_figure(model, nproc, across, len(args.hardware), pinned, where))
         figures.append(
             {
                 "question": f"{model}-{nproc}r{pinned}",
@@ -451,6 +602,25 @@ def _figures(args: argparse.Namespace, tables: list) -> list[dict]:
         }
     )
     return figures
+
+
+def _across_figure(
+    model: str, nproc: int, across: dict, count: int, pinned: str, where: str
+) -> dict:
+    """The record of one model and rank count planned under several hardware models."""
+    spread = ", ".join(f"{r} {100 * v:.0f} %" for r, v in across["prediction_spread"].items())
+    free = ", ".join(
+        f"{label} {ratio}" for label, ratio in across.get("free_over_fastest", {}).items()
+    )
+    figure = f"prediction spread {spread}; free plan / fastest plan ({across.get('fastest_plan')}): {free}"
+    return {
+        "question": f"{model}-{nproc}r-{count}-hardware-models{pinned}",
+        "what": f"how far apart {count} hardware models predict each recipe, and each one's "
+        f"free plan measured against the fastest plan, {model}, {nproc} gloo ranks, {where}",
+        "figure": figure,
+        "unit": "",
+        **across,
+    }
 
 
 if __name__ == "__main__":

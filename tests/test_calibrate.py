@@ -142,6 +142,24 @@ def test_a_calibrated_matmul_table_prices_matmuls():
     assert compute_cost_us(torch.ops.aten.mm.default, (a, b), {}, out, CPU) != pytest.approx(mm)
 
 
+def test_the_rounds_spread_names_the_widest_figures_and_flags_a_noisy_machine():
+    from autoparallel.calibrate.run import NOISY_SPREAD, round_spread
+
+    quiet = [
+        {"what": "all_reduce", "nbytes": 1024, "mesh_dim": 0, "rounds_us": [100.0, 101.0, 99.0]},
+        {"what": "matmul_rounds", "shape": [64, 64], "rounds_us": [10.0, 10.5, 10.0]},
+        {"what": "block", "shape": [8, 32], "rounds_us": [50.0, 80.0, 60.0]},
+        {"what": "view_op", "time_us": 3.0},  # timed once: no spread
+    ]
+    spread = round_spread(quiet)
+    assert spread["figures"] == 3
+    assert spread["widest"][0] == {"figure": "block (8, 32)", "spread": 0.5}
+    assert spread["median"] == 0.05 and not spread["noisy"]
+    noisy = [dict(sample, rounds_us=[10.0, 20.0, 15.0]) for sample in quiet[:3]]
+    assert round_spread(noisy)["median"] > NOISY_SPREAD and round_spread(noisy)["noisy"]
+    assert round_spread(quiet[3:]) == {}
+
+
 def test_the_graph_clock_refuses_a_module_that_is_not_parallel():
     with pytest.raises(TypeError, match="not a parallel module from apply_placement"):
         with graph_clock(MLP(4, 8)):
@@ -297,6 +315,8 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     # every matmul of the grid timed warm and cold (a cold one never below its warm one)
     table = hardware.matmul_table
     assert table is not None and table.dims == QUICK.matmul_grid and table.dtype == "float32"
+    # how far apart each figure's rounds lie is in the profile; one round has none to compare
+    assert QUICK.rounds == 1 and calibration.measured_on["round_spread"] == {}
     assert all(0 < warm <= cold for warm, cold in zip(table.warm_us, table.cold_us))
     assert table.cold_bytes > 0
     path = tmp_path / "profile.json"

@@ -97,7 +97,10 @@ def calibrate_group(
     # last: the probe is planned and priced on the figures above, the op model included
     if hardware.synchronous_ops:
         hardware = time_runtime(mesh, hardware, settings, say, samples)
+    spread = round_spread(samples)
+    _say_spread(spread, say)
     measured_on = {
+        "round_spread": spread,
         "backend": dist.get_backend(),
         "world_size": world,
         "mesh_shape": list(mesh_shape),
@@ -114,6 +117,58 @@ def calibrate_group(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     return Calibration(hardware, measured_on, samples)
+
+
+NOISY_SPREAD = 0.2
+"""A figure timed in rounds is noisy when its rounds lie further apart than this share of
+their median; a calibration is flagged noisy when its median figure is: a second profile of
+the same machine may then price plans differently, and the run is worth repeating on a
+quieter host (or with ``--rounds`` raised)."""
+
+
+def round_spread(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """How far apart the rounds of every figure timed in rounds lie, as (max - min) / median:
+    the median over figures, the three widest, and whether the calibration is noisy."""
+    spreads = []
+    for sample in samples:
+        times = sample.get("rounds_us") or []
+        middle = statistics.median(times) if len(times) >= 2 else 0.0
+        if middle > 0:
+            spreads.append(((max(times) - min(times)) / middle, _figure_name(sample)))
+    if not spreads:
+        return {}
+    spreads.sort(reverse=True)
+    median = statistics.median(value for value, _ in spreads)
+    return {
+        "figures": len(spreads),
+        "median": round(median, 3),
+        "widest": [{"figure": name, "spread": round(value, 3)} for value, name in spreads[:3]],
+        "noisy": median > NOISY_SPREAD,
+    }
+
+
+def _figure_name(sample: dict[str, Any]) -> str:
+    if "nbytes" in sample:
+        return f"{sample['what']} {bytes_text(sample['nbytes'])} mesh dim {sample.get('mesh_dim')}"
+    if "shape" in sample:
+        return f"{sample['what']} {tuple(sample['shape'])}"
+    return str(sample["what"])
+
+
+def _say_spread(spread: dict[str, Any], say: Callable[[str], None]) -> None:
+    if not spread:
+        return
+    widest = ", ".join(f"{w['figure']} {100 * w['spread']:.0f} %" for w in spread["widest"])
+    say(
+        f"[calibrate] rounds of {spread['figures']} figures lie {100 * spread['median']:.0f} % "
+        f"apart at the median (widest: {widest})"
+    )
+    if spread["noisy"]:
+        say(
+            f"[calibrate] NOISY: the median figure's rounds differ by more than "
+            f"{100 * NOISY_SPREAD:.0f} %; another calibration of this machine may price plans "
+            "differently. Calibrate on a quieter host, or with more --rounds."
+        )
 
 
 def _time_collectives(
