@@ -119,22 +119,63 @@ def calibrate_group(
     return Calibration(hardware, measured_on, samples)
 
 
-NOISY_SPREAD = 0.2
-"""A figure timed in rounds is noisy when its rounds lie further apart than this share of
-their median; a calibration is flagged noisy when its median figure is: a second profile of
+NOISY_SPREAD = 0.1
+"""A figure timed in rounds is noisy when the middle half of its rounds lie further apart
+than this share of their median (for three rounds: the range over 20 %); a calibration is
+flagged noisy when its median figure is: a second profile of
 the same machine may then price plans differently, and the run is worth repeating on a
 quieter host (or with ``--rounds`` raised)."""
 
 
+def _time_sizes(
+    collective: str, mesh: Any, mesh_dim: int, settings: CalibrationSettings
+) -> list[list[CollectiveSample]]:
+    """Every size's timings of ``collective`` on ``mesh_dim``: ``settings.rounds`` rounds
+    over all sizes, then, for the sizes whose rounds lie further apart than
+    ``NOISY_SPREAD``, ``MOST_ROUNDS_FACTOR - 1`` times as many more, in rounds of their own."""
+    sizes = settings.sizes()
+    per_size: list[list[CollectiveSample]] = [[] for _ in sizes]
+
+    def time_round(which: list[int]) -> None:
+        for index in which:
+            per_size[index].append(
+                measure.time_collective(collective, sizes[index], mesh, mesh_dim, settings.repeats)
+            )
+
+    for _ in range(settings.rounds):
+        time_round(list(range(len(sizes))))
+    noisy = [
+        i
+        for i, timings in enumerate(per_size)
+        if _spread([t.time_us for t in timings]) > NOISY_SPREAD
+    ]
+    for _ in range(settings.rounds * (MOST_ROUNDS_FACTOR - 1) if noisy else 0):
+        time_round(noisy)
+    return per_size
+
+
+MOST_ROUNDS_FACTOR = 3
+"""A noisy collective size is timed in up to this many times the settings' rounds."""
+
+
+def _spread(times: list[float]) -> float:
+    """How far apart the middle half of a figure's rounds lie: their interquartile range over
+    their median (half the range for three rounds; unlike the range, it does not grow as
+    rounds are added); 0 for fewer than two."""
+    if len(times) < 2:
+        return 0.0
+    low, middle, high = statistics.quantiles(times, n=4, method="inclusive")
+    return (high - low) / middle if middle > 0 else 0.0
+
+
 def round_spread(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """How far apart the rounds of every figure timed in rounds lie, as (max - min) / median:
-    the median over figures, the three widest, and whether the calibration is noisy."""
-    spreads = []
-    for sample in samples:
-        times = sample.get("rounds_us") or []
-        middle = statistics.median(times) if len(times) >= 2 else 0.0
-        if middle > 0:
-            spreads.append(((max(times) - min(times)) / middle, _figure_name(sample)))
+    """How far apart the rounds of every figure timed in rounds lie (:func:`_spread`): the
+    median over figures, the three widest, and whether the calibration is noisy."""
+    spreads = [
+        (_spread(sample["rounds_us"]), _figure_name(sample))
+        for sample in samples
+        if len(sample.get("rounds_us") or []) >= 2
+    ]
     if not spreads:
         return {}
     spreads.sort(reverse=True)
@@ -160,13 +201,13 @@ def _say_spread(spread: dict[str, Any], say: Callable[[str], None]) -> None:
         return
     widest = ", ".join(f"{w['figure']} {100 * w['spread']:.0f} %" for w in spread["widest"])
     say(
-        f"[calibrate] rounds of {spread['figures']} figures lie {100 * spread['median']:.0f} % "
-        f"apart at the median (widest: {widest})"
+        f"[calibrate] the middle half of each figure's rounds: {100 * spread['median']:.0f} % "
+        f"apart at the median over {spread['figures']} figures (widest: {widest})"
     )
     if spread["noisy"]:
         say(
-            f"[calibrate] NOISY: the median figure's rounds differ by more than "
-            f"{100 * NOISY_SPREAD:.0f} %; another calibration of this machine may price plans "
+            f"[calibrate] NOISY: the middle half of the median figure's rounds lie more than "
+            f"{100 * NOISY_SPREAD:.0f} % apart; another calibration of this machine may price plans "
             "differently. Calibrate on a quieter host, or with more --rounds."
         )
 
@@ -182,7 +223,9 @@ def _time_collectives(
 
     Every (collective, size) is timed once per round and the median over rounds counts:
     a busy host's slow spells (seconds long) then spread over all sizes instead of bending
-    the fit at the few sizes they happened to hit.
+    the fit at the few sizes they happened to hit. A size whose rounds lie further apart
+    than ``NOISY_SPREAD`` is timed ``MOST_ROUNDS_FACTOR`` times as often, so that its median
+    rests on more rounds (every rank decides alike: a timing is the ranks' mean).
     """
     by_link: dict[str, list[CollectiveSample]] = {}
     for mesh_dim, ranks in enumerate(topology.mesh_shape):
@@ -190,14 +233,8 @@ def _time_collectives(
             continue
         link = topology.link(mesh_dim)
         for collective in COLLECTIVES:
-            rounds = [
-                [
-                    measure.time_collective(collective, nbytes, mesh, mesh_dim, settings.repeats)
-                    for nbytes in settings.sizes()
-                ]
-                for _ in range(settings.rounds)
-            ]
-            for timings in zip(*rounds):
+            per_size = _time_sizes(collective, mesh, mesh_dim, settings)
+            for timings in per_size:
                 sample = dataclasses.replace(
                     timings[0], time_us=statistics.median(t.time_us for t in timings)
                 )
