@@ -3,6 +3,7 @@
 from autoparallel.api import AutoParallel, auto_parallel
 from autoparallel.cost.hardware import HARDWARE_PRESETS, Hardware
 from autoparallel.cost.topology import Topology
+from autoparallel.mesh_search import MeshCandidate, MeshSearch, MeshSearchError, search_mesh
 from autoparallel.regions import LocalMapError, collectives, current_mesh, local_map
 from autoparallel.runtime import (
     InputMismatchError,
@@ -28,6 +29,10 @@ __all__ = [
     "AutoParallel",
     "auto_parallel",
     "fake_mesh",
+    "search_mesh",
+    "MeshSearch",
+    "MeshCandidate",
+    "MeshSearchError",
     "shutdown_distributed",
     "autoparallel_backend",
     "with_sharding_constraint",

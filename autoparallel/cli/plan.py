@@ -145,21 +145,6 @@ def _factory_model(request: PlanRequest) -> tuple[Any, Callable[[], Any]]:
 # ---------------------------------------------------------------------------- planning
 
 
-def _batch_constraints(nodes: Sequence[Any], batch: int, ndim: int) -> list[Any]:
-    """(S(0), R, ...) for every tensor whose first dim is the batch; None (free) otherwise."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    sharded = (Shard(0),) + (Replicate(),) * (ndim - 1)
-    out = []
-    for node in nodes:
-        value = node.meta.get("val") if node is not None else None
-        shape = getattr(value, "shape", None)
-        out.append(
-            sharded if shape is not None and len(shape) >= 1 and int(shape[0]) == batch else None
-        )
-    return out
-
-
 def run_plan(request: PlanRequest) -> tuple[dict[str, Any], Any]:
     """Plan on a fake process group; returns (plan JSON dict, Plan). Destroys the group after."""
     import torch.distributed as dist
@@ -192,6 +177,7 @@ def _planned(
 ) -> tuple[dict[str, Any], Any]:
     """Plan ``model`` on ``mesh`` as ``request`` says; (plan JSON dict, Plan)."""
     from autoparallel import AutoParallel
+    from autoparallel.mesh_search import batch_placements
 
     start = time.perf_counter()
     with AutoParallel(
@@ -205,9 +191,9 @@ def _planned(
     ) as autop:
         joint = autop.sharding_optimizer.problem.joint
         ndim = len(request.mesh_shape)
-        autop.add_input_constraints(_batch_constraints(joint.user_inputs, request.batch, ndim))
+        autop.add_input_constraints(batch_placements(joint.user_inputs, request.batch, ndim))
         outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
-        autop.add_output_constraints(_batch_constraints(outputs, request.batch, ndim))
+        autop.add_output_constraints(batch_placements(outputs, request.batch, ndim))
         if request.parameter_memory == "default":
             autop.add_parameter_memory_constraint()
         elif request.parameter_memory is not None:
@@ -272,6 +258,8 @@ def _plan_command(request: PlanRequest) -> int:
     logging.basicConfig(
         level=logging.INFO if request.verbose else logging.WARNING, format="%(message)s"
     )
+    if request.devices is not None:
+        request = _searched(request)
     data, _ = run_plan(request)
     print("\n".join(summary_lines(data)))
     if request.out is not None:
@@ -291,6 +279,33 @@ def _plan_command(request: PlanRequest) -> int:
     if request.save is not None:
         print(f"wrote {request.save}")
     return 0
+
+
+def _searched(request: PlanRequest) -> PlanRequest:
+    """``request`` on the mesh ``search_mesh`` ranks fastest for ``--devices``, after
+    printing the ranked candidates (the winner is then planned again, for the full report)."""
+    import dataclasses
+
+    from autoparallel.mesh_search import MeshSearchError, search_mesh
+
+    model, input_fn = build_model(request)
+    try:
+        found = search_mesh(
+            model,
+            input_fn,
+            request.devices,
+            request.gpus_per_node or 8,
+            hardware=request.hardware,
+            mp_policy=request.mp_policy(),
+            parameter_memory=request.parameter_memory is not None,
+        )
+    except MeshSearchError as error:
+        raise UsageError(str(error)) from error
+    print(f"meshes of {request.devices} devices, fastest first:")
+    print("\n".join(found.table()))
+    best = found.best
+    print(f"planning on {best.mesh_text}\n")
+    return dataclasses.replace(request, mesh_shape=best.shape, mesh_names=best.names)
 
 
 def _check_writable(path: Path | None, flag: str) -> None:

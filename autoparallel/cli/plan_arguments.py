@@ -90,7 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama3-8b | llama3-70b | tiny | moe-tiny | moe-16b | gpt2 | package.module:factory",
     )
     plan.add_argument(
-        "--mesh", required=True, help="mesh shape, e.g. 8x8 (row-major; the last dim is innermost)"
+        "--mesh", default=None, help="mesh shape, e.g. 8x8 (row-major; the last dim is innermost)"
+    )
+    plan.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="instead of --mesh: try every (dp,) and (dp, tp) mesh of this many devices "
+        "(tp within a node of --gpus-per-node, default 8), print them ranked by predicted "
+        "step time, and plan on the fastest",
     )
     plan.add_argument(
         "--mesh-names",
@@ -212,6 +220,7 @@ class PlanRequest:
     memory_budget: float | None = None  # peak bytes per device of a step; None: no constraint
     optimizer: str | float = "adamw"
     activation_checkpointing: str = "off"  # "auto": the memory constraint may recompute
+    devices: int | None = None  # search the mesh of this many devices (mesh_shape: its 1-D)
 
     def mp_policy(self) -> Any:
         """torch's MixedPrecisionPolicy for the dtype flags, or None without them."""
@@ -304,7 +313,16 @@ def _hardware(text: str) -> str:
 
 def validate(args: argparse.Namespace) -> PlanRequest:
     """Check everything that can be checked before building the model; UsageError if wrong."""
-    shape = parse_mesh(args.mesh)
+    if (args.mesh is None) == (args.devices is None):
+        raise UsageError("give either --mesh (e.g. 8x8) or --devices (e.g. 64), not both")
+    if args.devices is not None:
+        if args.devices < 1:
+            raise UsageError(f"--devices must be a positive integer, got {args.devices}")
+        if args.mesh_names is not None:
+            raise UsageError("--mesh-names goes with --mesh; --devices names its dims dp,tp")
+        if args.memory_budget.strip().lower() != "none":
+            raise UsageError("--memory-budget is not searched over meshes yet: give --mesh")
+    shape = parse_mesh(args.mesh) if args.mesh is not None else (args.devices,)
     names = parse_mesh_names(args.mesh_names, len(shape))
     for flag, value in (
         ("--batch", args.batch),
@@ -316,7 +334,7 @@ def validate(args: argparse.Namespace) -> PlanRequest:
     if args.layers is not None and args.layers < 1:
         raise UsageError(f"--layers must be a positive integer, got {args.layers}")
     hardware = _hardware(args.hardware)
-    if args.batch % shape[0]:
+    if args.devices is None and args.batch % shape[0]:
         raise UsageError(
             f"--batch {args.batch} is not divisible by the first mesh dim ({shape[0]}), which shards the batch"
         )
@@ -365,6 +383,7 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         memory_budget,
         parse_optimizer(args.optimizer),
         args.activation_checkpointing,
+        args.devices,
     )
 
 

@@ -1,0 +1,234 @@
+"""Choose the mesh: plan a model on every sensible shape of N devices and rank the plans.
+
+Which mesh shape to use (how many ways of data and of tensor parallelism) decides more of a
+step's time than any single placement, and without this a user plans each guess by hand.
+:func:`search_mesh` lists the candidate shapes, plans the model on each (a fake process
+group: nothing allocated, nothing communicates) and ranks them by the plan's predicted step
+time; the best plan is the one to apply.
+
+Candidates (``candidate_shapes``): ``(devices,)`` named ``("dp",)``, and ``(dp, tp)`` named
+``("dp", "tp")`` for every ``tp > 1`` dividing ``devices`` (``(devices,)`` named ``("tp",)``
+where ``tp`` is all of them). Tensor parallelism stays within a node (``tp`` divides
+``gpus_per_node``) unless ``tp_across_nodes``. The global batch (the first dim of the first
+input) is sharded over ``dp``: a ``dp`` that does not divide it is skipped, with the reason.
+Each candidate is planned with the batch sharded over ``dp`` and replicated over ``tp`` on
+every input and output whose first dim is the batch, and, unless
+``parameter_memory=False``, the parameter memory constraint (parameters sharded as far as
+they go). A candidate no plan fits (an infeasible constraint) is kept with its reason.
+
+Contract: the returned :class:`MeshSearch` lists every candidate, planned ones first in the
+order of their predicted step time, then the skipped ones; ``best`` is the fastest planned
+one. ``search_mesh`` leaves no process group behind. It raises ValueError for a device
+count or node size below 1, and :class:`MeshSearchError` naming every candidate's reason
+when none could be planned. Not yet here (issue 46): pipeline and expert dims, and tracing
+the model once for all candidates (each is traced on its own mesh).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from autoparallel.api import AutoParallel
+from autoparallel.runtime.launch import fake_mesh
+from autoparallel.solver.highs import InfeasibleConstraintsError
+from autoparallel.types.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MeshCandidate", "MeshSearch", "MeshSearchError", "search_mesh", "candidate_shapes"]
+
+
+class MeshSearchError(ValueError):
+    """No candidate mesh could be planned; the message names each one's reason."""
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    """One mesh shape tried: its plan's predicted figures, or why it has none.
+
+    ``predicted_ms``: the plan's step time (``plan.totals.total_us``); ``exposed_comm_ms``:
+    the communication the step waits for; ``peak_memory_gib``: predicted peak bytes per
+    device (None where the plan has no memory estimate); ``planning_s``: the time its plan
+    took; ``skipped``: why there is no plan (then ``plan`` is None)."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    plan: Plan | None = None
+    predicted_ms: float | None = None
+    exposed_comm_ms: float | None = None
+    peak_memory_gib: float | None = None
+    planning_s: float = 0.0
+    skipped: str | None = None
+
+    @property
+    def mesh_text(self) -> str:
+        """``4x2 (dp, tp)``."""
+        return f"{'x'.join(map(str, self.shape))} ({', '.join(self.names)})"
+
+
+@dataclass(frozen=True)
+class MeshSearch:
+    """Every candidate, planned ones first by predicted step time, then the skipped ones."""
+
+    devices: int
+    candidates: tuple[MeshCandidate, ...]
+
+    @property
+    def best(self) -> MeshCandidate:
+        """The fastest planned candidate."""
+        return self.candidates[0]
+
+    def table(self) -> list[str]:
+        """The ranked table as text lines, for a log or a terminal."""
+        lines = [
+            f"{'rank':>4}  {'mesh':<16} {'step ms':>10} {'exposed comm ms':>16} "
+            f"{'peak GiB':>9} {'planning s':>10}"
+        ]
+        for index, c in enumerate(self.candidates, start=1):
+            if c.plan is None:
+                lines.append(f"{'-':>4}  {c.mesh_text:<16} skipped: {c.skipped}")
+                continue
+            peak = "-" if c.peak_memory_gib is None else f"{c.peak_memory_gib:.3g}"
+            lines.append(
+                f"{index:>4}  {c.mesh_text:<16} {c.predicted_ms:>10.3f} "
+                f"{c.exposed_comm_ms:>16.3f} {peak:>9} {c.planning_s:>10.1f}"
+            )
+        return lines
+
+
+def candidate_shapes(
+    devices: int, gpus_per_node: int, tp_across_nodes: bool = False
+) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """The mesh shapes :func:`search_mesh` tries (see the module doc), with their names."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
+    shapes: list[tuple[tuple[int, ...], tuple[str, ...]]] = [((devices,), ("dp",))]
+    for tp in range(2, devices + 1):
+        if devices % tp or (not tp_across_nodes and gpus_per_node % tp):
+            continue
+        dp = devices // tp
+        shapes.append(((dp, tp), ("dp", "tp")) if dp > 1 else ((tp,), ("tp",)))
+    return shapes
+
+
+def search_mesh(
+    model: nn.Module,
+    input_fn: Callable[[], Any],
+    devices: int,
+    gpus_per_node: int = 8,
+    *,
+    hardware: str | Any = None,
+    mp_policy: Any = None,
+    parameter_memory: bool = True,
+    tp_across_nodes: bool = False,
+    time_limit_s: float = 300.0,
+) -> MeshSearch:
+    """Plan ``model`` (best on the meta device) on every candidate mesh of ``devices``
+    devices, ``gpus_per_node`` to a node, priced on ``hardware`` (a preset name, a profile
+    path or a Hardware; see AutoParallel); the candidates ranked (see the module doc)."""
+    shapes = candidate_shapes(devices, gpus_per_node, tp_across_nodes)
+    batch = _global_batch(input_fn)
+    tried = []
+    for index, (shape, names) in enumerate(shapes, start=1):
+        logger.info("mesh %d of %d: %s %s", index, len(shapes), shape, names)
+        tried.append(
+            _plan_on(
+                model, input_fn, shape, names, batch, gpus_per_node, hardware, mp_policy,
+                parameter_memory, time_limit_s,
+            )
+        )  # fmt: skip
+    planned = sorted((c for c in tried if c.plan is not None), key=lambda c: c.predicted_ms)
+    if not planned:
+        reasons = "; ".join(f"{c.mesh_text}: {c.skipped}" for c in tried)
+        raise MeshSearchError(f"no mesh of {devices} devices could be planned: {reasons}")
+    return MeshSearch(devices, tuple(planned) + tuple(c for c in tried if c.plan is None))
+
+
+def _global_batch(input_fn: Callable[[], Any]) -> int | None:
+    """The first dim of the first tensor input_fn returns (the global batch), or None."""
+    inputs = input_fn()
+    first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else None
+
+
+def _plan_on(
+    model: nn.Module,
+    input_fn: Callable[[], Any],
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    batch: int | None,
+    gpus_per_node: int,
+    hardware: Any,
+    mp_policy: Any,
+    parameter_memory: bool,
+    time_limit_s: float,
+) -> MeshCandidate:
+    """One candidate planned on a fake mesh (left destroyed), or skipped with the reason."""
+    dp = shape[0] if names[0] == "dp" else 1
+    if batch is not None and batch % dp:
+        return MeshCandidate(shape, names, skipped=f"dp {dp} does not divide the batch {batch}")
+    start = time.perf_counter()
+    mesh = fake_mesh(shape, names)
+    try:
+        with AutoParallel(
+            model,
+            input_fn,
+            mesh,
+            mp_policy,
+            hardware=hardware,
+            gpus_per_node=gpus_per_node,
+            time_limit_s=time_limit_s,
+        ) as autop:
+            joint = autop.sharding_optimizer.problem.joint
+            outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
+            sharded = names[0] == "dp"
+            autop.add_input_constraints(
+                batch_placements(joint.user_inputs, batch, len(shape), sharded)
+            )
+            autop.add_output_constraints(batch_placements(outputs, batch, len(shape), sharded))
+            if parameter_memory:
+                autop.add_parameter_memory_constraint()
+            plan = autop.optimize_placement()
+    except InfeasibleConstraintsError as error:
+        return MeshCandidate(shape, names, skipped=" ".join(str(error).split()))
+    finally:
+        dist.destroy_process_group()
+    totals = plan.totals
+    peak = plan.memory.peak / 2**30 if plan.memory is not None else None
+    return MeshCandidate(
+        shape,
+        names,
+        plan,
+        predicted_ms=totals.total_us / 1e3,
+        exposed_comm_ms=totals.exposed_comm_us / 1e3,
+        peak_memory_gib=peak,
+        planning_s=time.perf_counter() - start,
+    )
+
+
+def batch_placements(
+    nodes: Sequence[Any], batch: int | None, ndim: int, sharded: bool = True
+) -> list[Any]:
+    """``(Shard(0), Replicate(), ...)`` (the batch over the first mesh dim; all Replicate
+    where not ``sharded``) for every graph input or output whose first dim is ``batch``;
+    None (the planner's choice) for the others."""
+    first = Shard(0) if sharded else Replicate()
+    placement = (first,) + (Replicate(),) * (ndim - 1)
+    placements = []
+    for node in nodes:
+        value = node.meta.get("val") if node is not None else None
+        shape = getattr(value, "shape", None)
+        is_batch = batch is not None and shape is not None and len(shape) >= 1
+        placements.append(placement if is_batch and int(shape[0]) == batch else None)
+    return placements
