@@ -16,9 +16,10 @@ every input and output whose first dim is the batch, and, unless
 ``parameter_memory=False``, the parameter memory constraint (parameters sharded as far as
 they go). A candidate no plan fits (an infeasible constraint) is kept with its reason.
 
-Contract: the returned :class:`MeshSearch` lists every candidate, planned ones first in the
-order of their predicted step time, then the skipped ones; ``best`` is the fastest planned
-one. ``search_mesh`` leaves no process group behind. It raises ValueError for a device
+Contract: the returned :class:`MeshSearch` lists every candidate: the planned ones whose
+predicted peak memory fits the hardware's device memory, by predicted step time, then the
+planned ones that do not fit (a budget with recomputation is not searched yet: give the
+mesh and ``add_memory_constraint``), then the skipped ones; ``best`` is the first. ``search_mesh`` leaves no process group behind. It raises ValueError for a device
 count or node size below 1, and :class:`MeshSearchError` naming every candidate's reason
 when none could be planned. Not yet here (issue 46): pipeline and expert dims, and tracing
 the model once for all candidates (each is traced on its own mesh).
@@ -57,8 +58,9 @@ class MeshCandidate:
 
     ``predicted_ms``: the plan's step time (``plan.totals.total_us``); ``exposed_comm_ms``:
     the communication the step waits for; ``peak_memory_gib``: predicted peak bytes per
-    device (None where the plan has no memory estimate); ``planning_s``: the time its plan
-    took; ``skipped``: why there is no plan (then ``plan`` is None)."""
+    device (None where the plan has no memory estimate); ``fits``: that peak is within the
+    hardware's memory (None where unknown); ``planning_s``: the time its plan took;
+    ``skipped``: why there is no plan (then ``plan`` is None)."""
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
@@ -66,6 +68,7 @@ class MeshCandidate:
     predicted_ms: float | None = None
     exposed_comm_ms: float | None = None
     peak_memory_gib: float | None = None
+    fits: bool | None = None
     planning_s: float = 0.0
     skipped: str | None = None
 
@@ -77,14 +80,16 @@ class MeshCandidate:
 
 @dataclass(frozen=True)
 class MeshSearch:
-    """Every candidate, planned ones first by predicted step time, then the skipped ones."""
+    """Every candidate: the planned ones whose peak fits the device first, then the planned
+    ones that do not fit, each by predicted step time, then the skipped ones."""
 
     devices: int
     candidates: tuple[MeshCandidate, ...]
 
     @property
     def best(self) -> MeshCandidate:
-        """The fastest planned candidate."""
+        """The fastest planned candidate that fits the device's memory (the fastest planned
+        one where none fits: its ``fits`` is then False)."""
         return self.candidates[0]
 
     def table(self) -> list[str]:
@@ -93,11 +98,14 @@ class MeshSearch:
             f"{'rank':>4}  {'mesh':<16} {'step ms':>10} {'exposed comm ms':>16} "
             f"{'peak GiB':>9} {'planning s':>10}"
         ]
+        if any(c.fits is False for c in self.candidates):
+            lines.append("      (* the predicted peak does not fit the device's memory)")
         for index, c in enumerate(self.candidates, start=1):
             if c.plan is None:
                 lines.append(f"{'-':>4}  {c.mesh_text:<16} skipped: {c.skipped}")
                 continue
             peak = "-" if c.peak_memory_gib is None else f"{c.peak_memory_gib:.3g}"
+            peak += "*" if c.fits is False else ""
             lines.append(
                 f"{index:>4}  {c.mesh_text:<16} {c.predicted_ms:>10.3f} "
                 f"{c.exposed_comm_ms:>16.3f} {peak:>9} {c.planning_s:>10.1f}"
@@ -148,7 +156,9 @@ def search_mesh(
                 parameter_memory, time_limit_s,
             )
         )  # fmt: skip
-    planned = sorted((c for c in tried if c.plan is not None), key=lambda c: c.predicted_ms)
+    planned = sorted(
+        (c for c in tried if c.plan is not None), key=lambda c: (c.fits is False, c.predicted_ms)
+    )
     if not planned:
         reasons = "; ".join(f"{c.mesh_text}: {c.skipped}" for c in tried)
         raise MeshSearchError(f"no mesh of {devices} devices could be planned: {reasons}")
@@ -200,19 +210,21 @@ def _plan_on(
             if parameter_memory:
                 autop.add_parameter_memory_constraint()
             plan = autop.optimize_placement()
+            memory_bytes = autop.topology.hardware.memory_bytes
     except InfeasibleConstraintsError as error:
         return MeshCandidate(shape, names, skipped=" ".join(str(error).split()))
     finally:
         dist.destroy_process_group()
     totals = plan.totals
-    peak = plan.memory.peak / 2**30 if plan.memory is not None else None
+    peak = plan.memory.peak if plan.memory is not None else None
     return MeshCandidate(
         shape,
         names,
         plan,
         predicted_ms=totals.total_us / 1e3,
         exposed_comm_ms=totals.exposed_comm_us / 1e3,
-        peak_memory_gib=peak,
+        peak_memory_gib=None if peak is None else peak / 2**30,
+        fits=None if peak is None or not memory_bytes else peak <= memory_bytes,
         planning_s=time.perf_counter() - start,
     )
 

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                     "predicted_ms": c.predicted_ms,
                     "exposed_comm_ms": c.exposed_comm_ms,
                     "peak_memory_gib": c.peak_memory_gib,
+                    "fits": c.fits,
                     "planning_s": round(c.planning_s, 2),
                     "skipped": c.skipped,
                 }

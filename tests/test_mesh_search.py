@@ -4,6 +4,8 @@ on the fastest."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,11 +51,24 @@ def test_meshes_are_planned_and_ranked_by_predicted_step_time():
     assert [(c.shape, c.names) for c in skipped] == [((4,), ("dp",))]
     assert "does not divide the batch 6" in skipped[0].skipped
     for c in planned:
+        assert c.fits  # a tiny model on an H100
         assert c.predicted_ms == pytest.approx(c.plan.totals.total_us / 1e3)
         batch = (Shard(0), Replicate()) if c.names == ("dp", "tp") else (Replicate(),)
         assert c.plan.input_placements == [batch]
     assert "skipped" in found.table()[-1] and len(found.table()) == 4
     assert not dist.is_initialized()  # no fake process group left behind
+
+
+def test_a_mesh_whose_peak_does_not_fit_ranks_after_those_that_do():
+    from autoparallel.cost.hardware import HARDWARE_PRESETS
+
+    small = dataclasses.replace(HARDWARE_PRESETS["h100"], memory_bytes=1.6 * 2**20)
+    model = meta(lambda: Llama(CONFIG))
+    found = search_mesh(model, tokens(8), 4, gpus_per_node=4, hardware=small)
+    planned = [c for c in found.candidates if c.plan is not None]
+    assert {c.fits for c in planned} == {True, False}  # 1.6 MiB: between their peaks
+    assert [c.fits for c in planned] == sorted((c.fits for c in planned), reverse=True)
+    assert found.best.fits and any("does not fit" in line for line in found.table())
 
 
 def test_a_search_where_nothing_plans_names_every_reason():

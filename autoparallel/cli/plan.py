@@ -304,6 +304,9 @@ def _searched(request: PlanRequest) -> PlanRequest:
     print(f"meshes of {request.devices} devices, fastest first:")
     print("\n".join(found.table()))
     best = found.best
+    if best.fits is False:
+        print(f"no mesh's predicted peak fits the device; the fastest, {best.mesh_text}, needs "
+              f"{best.peak_memory_gib:.3g} GiB: try --memory-budget device with --mesh")  # fmt: skip
     print(f"planning on {best.mesh_text}\n")
     return dataclasses.replace(request, mesh_shape=best.shape, mesh_names=best.names)
 
