@@ -45,7 +45,14 @@ from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MeshCandidate", "MeshSearch", "MeshSearchError", "search_mesh", "candidate_shapes"]
+__all__ = [
+    "MeshCandidate",
+    "MeshSearch",
+    "MeshSearchError",
+    "candidate_shapes",
+    "constrain_candidate",
+    "search_mesh",
+]
 
 
 class MeshSearchError(ValueError):
@@ -200,15 +207,7 @@ def _plan_on(
             gpus_per_node=gpus_per_node,
             time_limit_s=time_limit_s,
         ) as autop:
-            joint = autop.sharding_optimizer.problem.joint
-            outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
-            sharded = names[0] == "dp"
-            autop.add_input_constraints(
-                batch_placements(joint.user_inputs, batch, len(shape), sharded)
-            )
-            autop.add_output_constraints(batch_placements(outputs, batch, len(shape), sharded))
-            if parameter_memory:
-                autop.add_parameter_memory_constraint()
+            constrain_candidate(autop, batch, names, parameter_memory)
             plan = autop.optimize_placement()
             memory_bytes = autop.topology.hardware.memory_bytes
     except InfeasibleConstraintsError as error:
@@ -227,6 +226,21 @@ def _plan_on(
         fits=None if peak is None or not memory_bytes else peak <= memory_bytes,
         planning_s=time.perf_counter() - start,
     )
+
+
+def constrain_candidate(
+    autop: AutoParallel, batch: int | None, names: Sequence[str], parameter_memory: bool = True
+) -> None:
+    """The constraints a candidate mesh is planned under (see the module doc): the batch
+    sharded over the first dim where it is ``dp`` (replicated otherwise) on every input and
+    output whose first dim is ``batch``; the parameter memory constraint if asked."""
+    joint = autop.sharding_optimizer.problem.joint
+    outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
+    sharded = names[0] == "dp"
+    autop.add_input_constraints(batch_placements(joint.user_inputs, batch, len(names), sharded))
+    autop.add_output_constraints(batch_placements(outputs, batch, len(names), sharded))
+    if parameter_memory:
+        autop.add_parameter_memory_constraint()
 
 
 def batch_placements(
