@@ -15,7 +15,7 @@ and appends one record to ``benchmarks/results/mesh_ranking.jsonl``.
 
 Known (issue 44): with the 21 M LLaMA on 4 ranks this run aborts with glibc heap corruption
 ("malloc(): unaligned tcache chunk detected", or a segmentation fault in a gloo worker's
-``malloc``) within seconds of timing the (2, 2) mesh, in every run so far; with the local
+``malloc``) within seconds of timing the (2, 2) mesh, in every run of it so far; with the local
 graphs' collectives left where the trace put them (no ``issue_collectives_early``) and with
 the 1-D meshes alone it finished clean. It is the reproduction of the crash under study. Calibrate this machine
 (``autoparallel calibrate --nproc 4 --out profile.json``) and pass ``--hardware
