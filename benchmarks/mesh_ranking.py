@@ -13,13 +13,9 @@ with AdamW on this rank's rows; the meshes are then timed round-robin (as
 Prints each mesh's predicted and measured step, both orders and their Spearman correlation,
 and appends one record to ``benchmarks/results/mesh_ranking.jsonl``.
 
-Known (issue 44): with the 21 M LLaMA on 4 ranks this run aborts with glibc heap corruption
-("malloc(): unaligned tcache chunk detected", or a segmentation fault in a gloo worker's
-``malloc``) within seconds of timing the (2, 2) mesh, in every run of it so far; with the local
-graphs' collectives left where the trace put them (no ``issue_collectives_early``) and with
-the 1-D meshes alone it finished clean. It is the reproduction of the crash under study. Calibrate this machine
-(``autoparallel calibrate --nproc 4 --out profile.json``) and pass ``--hardware
-profile.json``: the ``cpu`` preset is not this machine.
+Issue 44: this run is how the heap corruption of collectives of two process groups in flight
+together was found (the (2, 2) mesh aborted within seconds in every run);
+``runtime/local_graph.one_group_at_a_time`` keeps them apart since.
 """
 
 from __future__ import annotations
