@@ -13,9 +13,8 @@ with AdamW on this rank's rows; the meshes are then timed round-robin (as
 Prints each mesh's predicted and measured step, both orders and their Spearman correlation,
 and appends one record to ``benchmarks/results/mesh_ranking.jsonl``.
 
-Issue 44: this run is how the heap corruption of collectives of two process groups in flight
-together was found (the (2, 2) mesh aborted within seconds in every run);
-``runtime/local_graph.one_group_at_a_time`` keeps them apart since.
+Issue 44: this run reproduces a heap corruption on the (2, 2) mesh (7 of 8 runs before
+``runtime/local_graph.one_group_at_a_time``, 1 of 4 with it): a run may abort.
 """
 
 from __future__ import annotations

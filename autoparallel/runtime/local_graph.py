@@ -305,12 +305,10 @@ def one_group_at_a_time(graph_module: fx.GraphModule) -> int:
 
     Why: with the early-issued collectives of two gloo process groups in flight together
     (the dp and tp groups of a 2-D mesh), a run of the 21 M LLaMA on a (2, 2) mesh of 4 gloo
-    ranks corrupted the heap within seconds in every run (glibc's "unaligned tcache chunk",
-    inside a gloo worker's allocation); with each group's collectives finished before the
-    next group's start it ran clean, as it did with no early issue at all
-    (``benchmarks/mesh_ranking.py``; docs/architecture.md). The cause inside the two groups
-    is not pinned down; until it is, collectives overlap compute and each other within one
-    group only. Values are unchanged: a wait only moves earlier, after its collective.
+    ranks corrupted the heap within seconds in 7 of 8 runs (``benchmarks/mesh_ranking.py``;
+    docs/architecture.md); with this pass 1 of 4 runs still did. It narrows the window; the
+    cause is not found (issue 44). Collectives still overlap compute, and each other within
+    one group. Values are unchanged: a wait only moves earlier, after its collective.
     """
     graph = graph_module.graph
     wait_of: dict[fx.Node, fx.Node] = {}
