@@ -16,6 +16,7 @@ from autoparallel.runtime import (
 )
 from autoparallel.runtime.compile import autoparallel_backend
 from autoparallel.runtime.dynamic import DynamicShapeError
+from autoparallel.runtime.gloo import UnsafeProcessGroupError, serial_gloo_backend
 from autoparallel.runtime.init import InitError, full_value_init
 from autoparallel.runtime.launch import fake_mesh
 from autoparallel.runtime.shutdown import shutdown_distributed
@@ -34,6 +35,8 @@ __all__ = [
     "MeshCandidate",
     "MeshSearchError",
     "shutdown_distributed",
+    "serial_gloo_backend",
+    "UnsafeProcessGroupError",
     "autoparallel_backend",
     "with_sharding_constraint",
     "local_map",

@@ -13,8 +13,9 @@ with AdamW on this rank's rows; the meshes are then timed round-robin (as
 Prints each mesh's predicted and measured step, both orders and their Spearman correlation,
 and appends one record to ``benchmarks/results/mesh_ranking.jsonl``.
 
-Issue 44: this run reproduces a heap corruption on the (2, 2) mesh (7 of 8 runs before
-``runtime/local_graph.one_group_at_a_time``, 1 of 4 with it): a run may abort.
+On torch's default gloo groups (two worker threads each) this run aborted on the (2, 2)
+mesh in 7 of 8 runs: the heap corruption runtime/gloo.py explains; its ranks now start
+``serial_gloo`` groups (one worker each), as ``run_distributed`` does.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """Soak test: how often a fresh multi-rank training launch aborts, hangs or trains wrongly.
 
     python -m benchmarks.soak [--launches 50] [--nproc 2 4] [--models llama-tiny ...]
-        [--compile] [--eager] [--timeout 300] [--logs DIR]
+        [--mesh 1d|2d] [--compile] [--eager] [--timeout 300] [--logs DIR]
 
 Each launch is what a new user runs: ``--nproc`` fresh processes (a torchrun-like
 environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), each joining a new
 gloo process group, planning the model with the public API (``AutoParallel`` ->
 ``optimize_placement`` -> ``apply_placement`` -> ``to_empty`` -> ``init_weights``) and
 training 5 steps of ``torch.optim.AdamW(foreach=True)`` on its rows of a fixed global batch,
-eagerly or under ``torch.compile`` with ``autoparallel_backend()``. Every rank runs with
+eagerly or under ``torch.compile`` with ``autoparallel_backend()``. The mesh is 1-D over all
+ranks (``dp``), or with ``--mesh 2d`` a (ranks / 2, 2) ``dp`` x ``tp`` mesh with the batch
+split over ``dp`` only, as ``autoparallel.search_mesh`` plans it: two process groups per rank
+with collectives of both in flight (the MoE always runs on ``dp`` x ``ep``). Every rank runs with
 glibc's heap checks (``MALLOC_CHECK_=3``, with ``libc_malloc_debug.so`` preloaded where
 glibc has it, as glibc >= 2.34 needs; ``MALLOC_PERTURB_`` random in 1..255 per launch) and
 ``PYTHONFAULTHANDLER=1``, so a use of freed memory tends to abort or crash, with the Python
@@ -72,19 +75,19 @@ def _workload(name: str) -> Any:
 # ---------------------------------------------------------------------------------- a rank
 
 
-def rank_main(model: str, compiled: bool, out: str) -> None:
+def rank_main(model: str, mesh_kind: str, compiled: bool, out: str) -> None:
     """One rank of one launch (the environment says which): plan, train, report losses,
     then leave as a user should (autoparallel.shutdown_distributed, runtime/shutdown.py)."""
     import torch
     import torch.distributed as dist
 
-    from autoparallel import shutdown_distributed
+    from autoparallel import serial_gloo_backend, shutdown_distributed
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group(serial_gloo_backend())
     rank, world_size = dist.get_rank(), dist.get_world_size()
     os.dup2(2, 1)  # the solver's banner goes to the log, not to the parent's table
-    losses, issued = _train(model, compiled, rank, world_size)
+    losses, issued = _train(model, mesh_kind, compiled, rank, world_size)
     print(f"{ISSUED}{json.dumps(issued)}", file=sys.stderr, flush=True)
     total = torch.stack(losses)
     dist.all_reduce(total)
@@ -96,22 +99,29 @@ def rank_main(model: str, compiled: bool, out: str) -> None:
     print(DONE, file=sys.stderr, flush=True)
 
 
-def _train(model: str, compiled: bool, rank: int, world_size: int) -> tuple[list, list[int]]:
+def _train(
+    model: str, mesh_kind: str, compiled: bool, rank: int, world_size: int
+) -> tuple[list, list[int]]:
     """Plan ``model`` on a fresh mesh and train it STEPS steps; the losses (this rank's) and
     the collectives issued in each step. The mesh and the module die when this returns."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
 
     from autoparallel import autoparallel_backend
     from benchmarks.workloads import local_rows, loss_of, make_optimizer, plan_ours
 
+    rows, row_rank, row_ranks = None, rank, world_size  # the batch split over every rank
     if model == "moe-tiny":  # experts over "ep", as benchmarks/moe_step_time.py plans it
         mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "ep"))
+    elif mesh_kind == "2d":  # the batch over dp, replicated over tp
+        mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+        rows, row_rank, row_ranks = (Shard(0), Replicate()), rank // 2, world_size // 2
     else:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     workload = _workload(model)
-    module = plan_ours(workload, mesh).module
+    module = plan_ours(workload, mesh, rows=rows).module
     optimizer = make_optimizer(module)
     run = (
         torch.compile(module, backend=autoparallel_backend(), fullgraph=True)
@@ -119,19 +129,25 @@ def _train(model: str, compiled: bool, rank: int, world_size: int) -> tuple[list
         else module
     )
     inputs, targets = workload.global_batch()
-    inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
-    # collectives this rank issued in each step: the process group's sequence number (private,
+    inputs = local_rows(inputs, row_rank, row_ranks)
+    targets = local_rows(targets, row_rank, row_ranks)
+    # collectives this rank issued in each step: a gloo backend's sequence number (private,
     # no public counter) goes up by one per collective; every rank must issue the same ones
-    group = dist.distributed_c10d._get_default_group()
+    groups = {dist.distributed_c10d._get_default_group(), *mesh.get_all_groups()}
+    backends = [group._get_backend(torch.device("cpu")) for group in groups]
+
+    def sequence() -> int:
+        return sum(backend._get_sequence_number_for_group() for backend in backends)
+
     losses, issued = [], []
     for _ in range(STEPS):
-        before = group._get_sequence_number_for_group()
+        before = sequence()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(run(inputs), targets)
         (loss / world_size).backward()  # ours: gradients of the sum of the ranks' losses
         optimizer.step()
         losses.append(loss.detach().double())
-        issued.append(group._get_sequence_number_for_group() - before)
+        issued.append(sequence() - before)
     return losses, issued
 
 
@@ -178,7 +194,13 @@ def _free_port() -> int:
 
 
 def launch(
-    model: str, nproc: int, compiled: bool, timeout_s: float, logs: Path, reference: list[float]
+    model: str,
+    nproc: int,
+    mesh_kind: str,
+    compiled: bool,
+    timeout_s: float,
+    logs: Path,
+    reference: list[float],
 ) -> Launch:
     """Start ``nproc`` fresh ranks of one launch, wait for them, classify the result."""
     perturb = random.randint(1, 255)
@@ -198,6 +220,7 @@ def launch(
     if MALLOC_DEBUG:  # glibc >= 2.34 honours MALLOC_CHECK_ only with this library preloaded
         env["LD_PRELOAD"] = " ".join(filter(None, (env.get("LD_PRELOAD"), MALLOC_DEBUG)))
     command = [sys.executable, "-m", "benchmarks.soak", "--rank-of", model, "--out", str(out)]
+    command += ["--mesh", mesh_kind]
     command += ["--compile"] if compiled else []
     start = time.monotonic()
     procs = []
@@ -261,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", type=int, default=50, help="launches per configuration")
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["llama-tiny"])
+    parser.add_argument(
+        "--mesh", choices=("1d", "2d"), default="1d", help="2d: (ranks / 2, 2) dp x tp"
+    )
     parser.add_argument("--eager", action="store_true", help="eager launches (the default)")
     parser.add_argument("--compile", action="store_true", help="torch.compile launches")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
@@ -271,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_of:
-        rank_main(args.rank_of, args.compile, args.out)
+        rank_main(args.rank_of, args.mesh, args.compile, args.out)
         return 0
     modes = (["eager"] if args.eager or not args.compile else []) + (
         ["compile"] if args.compile else []
@@ -287,7 +313,13 @@ def main(argv: list[str] | None = None) -> int:
                 failures, issued = [], set()
                 for index in range(args.launches):
                     result = launch(
-                        model, nproc, mode == "compile", args.timeout, args.logs, reference
+                        model,
+                        nproc,
+                        args.mesh,
+                        mode == "compile",
+                        args.timeout,
+                        args.logs,
+                        reference,
                     )
                     tally[result.outcome] += 1
                     print(
@@ -302,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                         issued.add(tuple(result.issued))
                 counts.append(
                     {"model": model, "nproc": nproc, "mode": mode, "launches": args.launches}
+                    | {"mesh": _mesh_label(model, args.mesh)}
                     | tally
                     | {"collectives_per_step": sorted(issued), "failures": failures}
                 )
@@ -316,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(row["ok"] == row["launches"] for row in counts) else 1
 
 
+def _mesh_label(model: str, mesh_kind: str) -> str:
+    """The mesh a launch of ``model`` runs on, in words."""
+    if model == "moe-tiny":
+        return "dp x ep"
+    return "dp x tp" if mesh_kind == "2d" else "dp"
+
+
 def _soak_record(row: dict) -> dict:
     """One results record (benchmarks/results.py) of a (model, ranks, mode) row."""
     bad = {outcome: row[outcome] for outcome in OUTCOMES if outcome != "ok" and row[outcome]}
@@ -323,9 +363,11 @@ def _soak_record(row: dict) -> dict:
     if bad:
         figure += " (" + ", ".join(f"{count} {outcome}" for outcome, count in bad.items()) + ")"
     raw = {key: value for key, value in row.items() if key not in ("model", "nproc", "mode")}
+    two_d = "-2d" if row["mesh"] == "dp x tp" else ""
     return {
-        "question": f"{row['model']}-{row['nproc']}r-{row['mode']}",
-        "what": f"fresh launches of {row['model']} on {row['nproc']} gloo ranks ({row['mode']}), "
+        "question": f"{row['model']}-{row['nproc']}r-{row['mode']}{two_d}",
+        "what": f"fresh launches of {row['model']} on {row['nproc']} gloo ranks ({row['mode']}, "
+        f"mesh {row['mesh']}), "
         "5 AdamW steps each under glibc's heap checks: launches ending clean",
         "figure": figure,
         **raw,

@@ -160,11 +160,13 @@ def plan_ours(
     memory_budget: float | None = None,
     activation_checkpointing: str = "off",
     mp_policy: Any = None,
+    rows: tuple | None = None,
 ) -> PlannedModel:
     """Plan ``workload`` on ``mesh`` (pinned to ``recipe``; with the parameter memory
     constraint, or a peak ``memory_budget`` in bytes per device that may recompute layers
     as ``activation_checkpointing`` says; under ``mp_policy``, a MixedPrecisionPolicy),
-    build and init the parallel module."""
+    build and init the parallel module. ``rows``: the placements of the batch and the
+    output (default: split by rows over every mesh dim)."""
     from torch.distributed.tensor import Shard
 
     with torch.device("meta"):
@@ -172,7 +174,7 @@ def plan_ours(
     inputs, _ = workload.global_batch()
     start = time.perf_counter()
     with AutoParallel(model, lambda: inputs, mesh, mp_policy, hardware=hardware) as autop:
-        rows = tuple(Shard(0) for _ in range(mesh.ndim))  # split by rows over every mesh dim
+        rows = rows or tuple(Shard(0) for _ in range(mesh.ndim))
         autop.add_input_constraints([rows])
         autop.add_output_constraints([rows])
         if memory_constraint:

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 if __package__ in (None, ""):  # run from a checkout: make `autoparallel` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autoparallel import AutoParallel, shutdown_distributed
+from autoparallel import AutoParallel, serial_gloo_backend, shutdown_distributed
 from autoparallel.models import Llama, llama_config
 
 GLOBAL_BATCH, SEQ = 8, 32
@@ -40,7 +40,8 @@ def setup() -> tuple[torch.device, int, int]:
         device = torch.device("cuda", local_rank)
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-        dist.init_process_group("gloo")
+        # gloo with one worker thread per group: several in flight are safe (docs/usage.md)
+        dist.init_process_group(serial_gloo_backend())
         device = torch.device("cpu")
     return device, dist.get_rank(), dist.get_world_size()
 

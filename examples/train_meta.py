@@ -43,7 +43,13 @@ from torch.distributed.tensor import Replicate, Shard
 if __package__ in (None, ""):  # run from a checkout: make `autoparallel` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autoparallel import AutoParallel, Plan, autoparallel_backend, shutdown_distributed
+from autoparallel import (
+    AutoParallel,
+    Plan,
+    autoparallel_backend,
+    serial_gloo_backend,
+    shutdown_distributed,
+)
 from autoparallel.models import Llama, llama_config
 from autoparallel.types.placements import placement_str
 
@@ -97,7 +103,8 @@ def setup() -> tuple[torch.device, int]:
         dist.init_process_group("nccl")
         return torch.device("cuda", local_rank), dist.get_rank()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    dist.init_process_group("gloo")
+    # gloo with one worker thread per group: several in flight are safe (docs/usage.md)
+    dist.init_process_group(serial_gloo_backend())
     return torch.device("cpu"), dist.get_rank()
 
 

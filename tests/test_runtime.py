@@ -292,29 +292,3 @@ def test_a_gradient_reduction_is_not_held_behind_a_later_layers_gather():
     assert order.index(reduced) == order.index(grads[0]) + 1  # right after its input
     assert order.index(reduced) < order.index(gathers[2])  # not held behind layer 1's gather
     assert order.index(grads[2]) < order.index(done)
-
-
-def test_a_collective_waits_for_those_of_another_process_group():
-    """one_group_at_a_time on a hand-built graph: an all-reduce of group "1" issued while one
-    of group "0" is in flight gets that one's wait moved up before it; a second collective of
-    the same group as the one in flight keeps overlapping it."""
-    import torch
-    import torch.fx as fx
-
-    from autoparallel.runtime.local_graph import one_group_at_a_time
-
-    ops = torch.ops._c10d_functional
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    first = graph.call_function(ops.all_reduce.default, (x, "sum", "0"))
-    same = graph.call_function(ops.all_reduce.default, (x, "sum", "0"))
-    other = graph.call_function(ops.all_reduce.default, (x, "sum", "1"))
-    waits = [graph.call_function(ops.wait_tensor.default, (c,)) for c in (first, same, other)]
-    total = graph.call_function(torch.ops.aten.add.Tensor, (waits[0], waits[1]))
-    graph.output((total, waits[2]))
-    module = fx.GraphModule(torch.nn.Module(), graph)
-    assert one_group_at_a_time(module) == 2
-    order = list(module.graph.nodes)
-    assert order.index(first) < order.index(same) < order.index(waits[0]) < order.index(other)
-    assert order.index(waits[1]) < order.index(other) < order.index(waits[2])
-    assert one_group_at_a_time(module) == 0  # nothing left in flight across groups

@@ -9,6 +9,7 @@ process group, which lets one process plan for a mesh of any size, needs a store
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -141,3 +142,34 @@ COLLECTIVE_OPS = {
     "all_reduce": "_c10d_functional.all_reduce",
 }
 """Functional collective op names (as ``str(op)`` starts) by the cost model's kind."""
+
+
+def one_worker_gloo(
+    store: dist.Store, rank: int, world_size: int, timeout: timedelta
+) -> dist.ProcessGroupGloo:
+    """A gloo backend that runs its collectives on one worker thread (the creator torch's
+    ``Backend.register_backend`` calls for each new group; runtime/gloo.py says why).
+
+    Private: gloo's worker count is only reachable through ``ProcessGroupGloo._Options``
+    (``_threads``, ``_devices``, ``_timeout``); ``init_process_group`` and ``new_group``
+    ignore options for gloo and always start two workers per device."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options._threads = 1
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def gloo_worker_threads(group: dist.ProcessGroup, device_type: str) -> int | None:
+    """How many worker threads run ``group``'s collectives on ``device_type`` where its
+    backend there is gloo; None for any other backend (nccl, the fake group of planning).
+
+    Private: ``ProcessGroup._get_backend`` and ``ProcessGroupGloo.options._threads`` are the
+    only way to read which backend serves a device and how many workers it runs."""
+    try:
+        backend = group._get_backend(torch.device(device_type))
+    except RuntimeError:  # no backend for that device
+        return None
+    if not isinstance(backend, dist.ProcessGroupGloo):
+        return None
+    return int(backend.options._threads)

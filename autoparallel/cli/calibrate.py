@@ -142,9 +142,11 @@ def _calibrate_launched(settings: Any) -> Any:
     import torch.distributed as dist
 
     from autoparallel.calibrate.run import calibrate_group
+    from autoparallel.runtime.gloo import serial_gloo_backend
     from autoparallel.runtime.shutdown import shutdown_distributed
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # gloo with one worker thread per group, as the parallel module needs it (runtime/gloo.py)
+    backend = "nccl" if torch.cuda.is_available() else serial_gloo_backend()
     dist.init_process_group(backend)
     try:
         result = calibrate_group(settings)

@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autoparallel import _torch_internals as internals
+
 __all__ = [
     "PeerPorts",
     "RankLostError",
@@ -120,7 +122,8 @@ def share_peer_addresses(mesh: DeviceMesh) -> PeerPorts:
     mesh calls it (``apply_placement`` does). Only real gloo groups: any other backend (nccl,
     the fake group of planning) names no address this can read, and gets an empty table."""
     if not dist.is_initialized() or any(
-        dist.get_backend(mesh.get_group(dim)) != "gloo" for dim in range(mesh.ndim)
+        internals.gloo_worker_threads(mesh.get_group(dim), mesh.device_type) is None
+        for dim in range(mesh.ndim)
     ):
         return PeerPorts()
     mine = _own_tcp_ports()

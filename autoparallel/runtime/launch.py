@@ -32,6 +32,7 @@ import torch.multiprocessing as torch_mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoparallel._torch_internals import init_fake_process_group
+from autoparallel.runtime.gloo import serial_gloo_backend
 from autoparallel.runtime.shutdown import shutdown_distributed
 
 __all__ = ["RankPool", "fake_mesh", "find_free_port", "pin_to_core", "run_distributed"]
@@ -146,7 +147,7 @@ def _worker(
         pin_to_core(rank)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(serial_gloo_backend(), rank=rank, world_size=world_size)
         # Pickle here (plain pickle: tensors travel by value) so that an unpicklable return
         # value is reported as this rank's error, and nothing depends on shared memory that
         # disappears when the child exits; the value itself dies here, before the shutdown.
@@ -185,7 +186,8 @@ def run_distributed(
     Each rank is a fresh process (``spawn``) with ``MASTER_ADDR=127.0.0.1``, a free
     ``MASTER_PORT``, ``RANK``/``WORLD_SIZE`` set, ``OMP_NUM_THREADS=1`` and
     ``torch.set_num_threads(1)``; it joins the default process group with
-    ``init_process_group("gloo")`` before ``fn`` runs and leaves it afterwards.
+    ``init_process_group(serial_gloo_backend())`` (gloo with one worker thread per group,
+    runtime/gloo.py) before ``fn`` runs and leaves it afterwards.
 
     ``fn`` must be a module-level function and its arguments and return value picklable
     (tensors are returned by value). Returns the ranks' return values in rank order.
@@ -300,7 +302,7 @@ def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, results: Any
     """Body of one pooled rank: join the group once, then run tasks until told to stop."""
     os.environ.update(_child_env(rank, world_size, port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(serial_gloo_backend(), rank=rank, world_size=world_size)
     while (task := tasks.get()) is not None:
         number, fn, args, kwargs = task
         try:

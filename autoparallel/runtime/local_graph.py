@@ -149,7 +149,6 @@ class TracedPhase:
             graph_module = internals.trace_on_fake(self.function, *tensors)
         drop_identity_views(graph_module)
         issue_collectives_early(graph_module, self.parameter_positions())
-        one_group_at_a_time(graph_module)
         self.graph_module = graph_module
         self.eager_module = _copy(graph_module)
         reduce_in_place(self.eager_module)
@@ -297,54 +296,6 @@ def issue_collectives_early(
     graph.lint()
     graph_module.recompile()
     return moved
-
-
-def one_group_at_a_time(graph_module: fx.GraphModule) -> int:
-    """Move waits up so that no collective starts while one of another process group is in
-    flight; returns how many waits moved.
-
-    Why: with the early-issued collectives of two gloo process groups in flight together
-    (the dp and tp groups of a 2-D mesh), a run of the 21 M LLaMA on a (2, 2) mesh of 4 gloo
-    ranks corrupted the heap within seconds in 7 of 8 runs (``benchmarks/mesh_ranking.py``;
-    docs/architecture.md); with this pass 1 of 4 runs still did. It narrows the window; the
-    cause is not found (issue 44). Collectives still overlap compute, and each other within
-    one group. Values are unchanged: a wait only moves earlier, after its collective.
-    """
-    graph = graph_module.graph
-    wait_of: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        if _WAIT in str(node.target) and node.args and isinstance(node.args[0], fx.Node):
-            wait_of.setdefault(node.args[0], node)
-    in_flight: dict[fx.Node, object] = {}  # collective -> its group
-    moved = 0
-    for node in list(graph.nodes):
-        if _WAIT in str(node.target):
-            in_flight.pop(node.args[0], None)
-            continue
-        if not _is_collective(node):
-            continue
-        group = _group_of(node)
-        for other, other_group in list(in_flight.items()):
-            if other_group == group:
-                continue
-            wait = wait_of.get(other)
-            del in_flight[other]
-            if wait is not None:
-                node.prepend(wait)  # it came after ``node``: still in flight there
-                moved += 1
-        if node in wait_of:
-            in_flight[node] = group
-    if moved:
-        graph.lint()
-        graph_module.recompile()
-    return moved
-
-
-def _group_of(collective: fx.Node) -> object:
-    """The process group a functional collective runs on (its ``group_name`` argument)."""
-    if "group_name" in collective.kwargs:
-        return collective.kwargs["group_name"]
-    return collective.args[-1] if collective.args else None
 
 
 def _last(graph: fx.Graph, nodes: set[fx.Node]) -> fx.Node:

@@ -41,6 +41,7 @@ from autoparallel.runtime.faults import (
     share_peer_addresses,
     translate_rank_loss,
 )
+from autoparallel.runtime.gloo import check_process_groups
 from autoparallel.runtime.init import (
     INIT_METHODS,
     InitError,
@@ -81,8 +82,10 @@ def apply_placement(
     ``collective_timeout`` (seconds or a timedelta) bounds every later collective on the
     mesh's process groups (None leaves their timeouts as they are); a rank lost during a
     step raises ``RankLostError`` on the others (runtime/faults.py). On a real gloo mesh
-    this is collective: every rank of the mesh calls it.
+    this is collective: every rank of the mesh calls it. A mesh on gloo groups with several
+    worker threads is refused (``UnsafeProcessGroupError``, runtime/gloo.py says why).
     """
+    check_process_groups(mesh)
     if collective_timeout is not None:
         set_collective_timeout(mesh, collective_timeout)
     peers = share_peer_addresses(mesh)

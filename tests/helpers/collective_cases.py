@@ -171,13 +171,14 @@ def collectives_per_call(rank: int, world_size: int) -> dict[str, Any]:
     parallel.to_empty(device="cpu")
     parallel.init_weights(seed=0)
     optimizer = torch.optim.AdamW(parallel.parameters(), lr=1e-3, foreach=True)
-    group = dist.distributed_c10d._get_default_group()
+    # the gloo backend's own counter: a group of a registered backend (serial_gloo) has none
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     tokens = _local_rows(global_batches("llama")[0], mesh)
 
     def issued(call: Any) -> int:
-        before = group._get_sequence_number_for_group()
+        before = backend._get_sequence_number_for_group()
         call()
-        return group._get_sequence_number_for_group() - before
+        return backend._get_sequence_number_for_group() - before
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
