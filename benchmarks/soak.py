@@ -1,13 +1,13 @@
 """Soak test: how often a fresh multi-rank training launch aborts, hangs or trains wrongly.
 
     python -m benchmarks.soak [--launches 50] [--nproc 2 4] [--models llama-tiny ...]
-        [--mesh 1d|2d] [--compile] [--eager] [--timeout 300] [--logs DIR]
+        [--mesh 1d|2d] [--steps 5] [--compile] [--eager] [--timeout 300] [--logs DIR]
 
 Each launch is what a new user runs: ``--nproc`` fresh processes (a torchrun-like
 environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), each joining a new
 gloo process group, planning the model with the public API (``AutoParallel`` ->
 ``optimize_placement`` -> ``apply_placement`` -> ``to_empty`` -> ``init_weights``) and
-training 5 steps of ``torch.optim.AdamW(foreach=True)`` on its rows of a fixed global batch,
+training ``--steps`` steps (5) of ``torch.optim.AdamW(foreach=True)`` on its rows of a fixed global batch,
 eagerly or under ``torch.compile`` with ``autoparallel_backend()``. The mesh is 1-D over all
 ranks (``dp``), or with ``--mesh 2d`` a (ranks / 2, 2) ``dp`` x ``tp`` mesh with the batch
 split over ``dp`` only, as ``autoparallel.search_mesh`` plans it: two process groups per rank
@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("mlp", "llama-tiny", "llama-small", "moe-tiny")
 """``llama-small`` is the ~21 M parameter LLaMA of the benchmarks."""
 STEPS = 5
+"""Training steps per launch unless ``--steps`` says otherwise."""
 TOLERANCE = 1e-4
 OUTCOMES = ("ok", "abort", "hang", "error", "wrong")
 MALLOC_DEBUG = ctypes.util.find_library("c_malloc_debug")
@@ -75,7 +76,7 @@ def _workload(name: str) -> Any:
 # ---------------------------------------------------------------------------------- a rank
 
 
-def rank_main(model: str, mesh_kind: str, compiled: bool, out: str) -> None:
+def rank_main(model: str, mesh_kind: str, steps: int, compiled: bool, out: str) -> None:
     """One rank of one launch (the environment says which): plan, train, report losses,
     then leave as a user should (autoparallel.shutdown_distributed, runtime/shutdown.py)."""
     import torch
@@ -87,7 +88,7 @@ def rank_main(model: str, mesh_kind: str, compiled: bool, out: str) -> None:
     dist.init_process_group(serial_gloo_backend())
     rank, world_size = dist.get_rank(), dist.get_world_size()
     os.dup2(2, 1)  # the solver's banner goes to the log, not to the parent's table
-    losses, issued = _train(model, mesh_kind, compiled, rank, world_size)
+    losses, issued = _train(model, mesh_kind, steps, compiled, rank, world_size)
     print(f"{ISSUED}{json.dumps(issued)}", file=sys.stderr, flush=True)
     total = torch.stack(losses)
     dist.all_reduce(total)
@@ -100,9 +101,9 @@ def rank_main(model: str, mesh_kind: str, compiled: bool, out: str) -> None:
 
 
 def _train(
-    model: str, mesh_kind: str, compiled: bool, rank: int, world_size: int
+    model: str, mesh_kind: str, steps: int, compiled: bool, rank: int, world_size: int
 ) -> tuple[list, list[int]]:
-    """Plan ``model`` on a fresh mesh and train it STEPS steps; the losses (this rank's) and
+    """Plan ``model`` on a fresh mesh and train it ``steps`` steps; the losses (this rank's) and
     the collectives issued in each step. The mesh and the module die when this returns."""
     import torch
     import torch.distributed as dist
@@ -140,7 +141,7 @@ def _train(
         return sum(backend._get_sequence_number_for_group() for backend in backends)
 
     losses, issued = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         before = sequence()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(run(inputs), targets)
@@ -154,7 +155,7 @@ def _train(
 # ---------------------------------------------------------------------------------- launches
 
 
-def reference_losses(model: str) -> list[float]:
+def reference_losses(model: str, steps: int = STEPS) -> list[float]:
     """The global loss of each step, trained unsharded on one process."""
     import torch
 
@@ -167,7 +168,7 @@ def reference_losses(model: str) -> list[float]:
     optimizer = make_optimizer(module)
     inputs, targets = workload.global_batch()
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(module(inputs), targets)
         loss.backward()
@@ -220,7 +221,7 @@ def launch(
     if MALLOC_DEBUG:  # glibc >= 2.34 honours MALLOC_CHECK_ only with this library preloaded
         env["LD_PRELOAD"] = " ".join(filter(None, (env.get("LD_PRELOAD"), MALLOC_DEBUG)))
     command = [sys.executable, "-m", "benchmarks.soak", "--rank-of", model, "--out", str(out)]
-    command += ["--mesh", mesh_kind]
+    command += ["--mesh", mesh_kind, "--steps", str(len(reference))]
     command += ["--compile"] if compiled else []
     start = time.monotonic()
     procs = []
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mesh", choices=("1d", "2d"), default="1d", help="2d: (ranks / 2, 2) dp x tp"
     )
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per launch")
     parser.add_argument("--eager", action="store_true", help="eager launches (the default)")
     parser.add_argument("--compile", action="store_true", help="torch.compile launches")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_of:
-        rank_main(args.rank_of, args.mesh, args.compile, args.out)
+        rank_main(args.rank_of, args.mesh, args.steps, args.compile, args.out)
         return 0
     modes = (["eager"] if args.eager or not args.compile else []) + (
         ["compile"] if args.compile else []
@@ -306,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     counts = []
     for model in args.models:
-        reference = reference_losses(model)
+        reference = reference_losses(model, args.steps)
         for nproc in args.nproc:
             for mode in modes:
                 tally = dict.fromkeys(OUTCOMES, 0)
@@ -334,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                         issued.add(tuple(result.issued))
                 counts.append(
                     {"model": model, "nproc": nproc, "mode": mode, "launches": args.launches}
-                    | {"mesh": _mesh_label(model, args.mesh)}
+                    | {"mesh": _mesh_label(model, args.mesh), "steps": args.steps}
                     | tally
                     | {"collectives_per_step": sorted(issued), "failures": failures}
                 )
@@ -363,12 +365,13 @@ def _soak_record(row: dict) -> dict:
     if bad:
         figure += " (" + ", ".join(f"{count} {outcome}" for outcome, count in bad.items()) + ")"
     raw = {key: value for key, value in row.items() if key not in ("model", "nproc", "mode")}
-    two_d = "-2d" if row["mesh"] == "dp x tp" else ""
+    suffix = "-2d" if row["mesh"] == "dp x tp" else ""
+    suffix += f"-{row['steps']}steps" if row["steps"] != STEPS else ""
     return {
-        "question": f"{row['model']}-{row['nproc']}r-{row['mode']}{two_d}",
+        "question": f"{row['model']}-{row['nproc']}r-{row['mode']}{suffix}",
         "what": f"fresh launches of {row['model']} on {row['nproc']} gloo ranks ({row['mode']}, "
-        f"mesh {row['mesh']}), "
-        "5 AdamW steps each under glibc's heap checks: launches ending clean",
+        f"mesh {row['mesh']}), {row['steps']} AdamW steps each under glibc's heap checks: "
+        "launches ending clean",
         "figure": figure,
         **raw,
     }
