@@ -10,8 +10,8 @@ gloo process group, planning the model with the public API (``AutoParallel`` ->
 training ``--steps`` steps (5) of ``torch.optim.AdamW(foreach=True)`` on its rows of a fixed global batch,
 eagerly or under ``torch.compile`` with ``autoparallel_backend()``. The mesh is 1-D over all
 ranks (``dp``), or with ``--mesh 2d`` a (ranks / 2, 2) ``dp`` x ``tp`` mesh with the batch
-split over ``dp`` only, as ``autoparallel.search_mesh`` plans it: two process groups per rank
-with collectives of both in flight (the MoE always runs on ``dp`` x ``ep``). Every rank runs with
+split over ``dp`` only and the parameter memory constraint, as ``autoparallel.search_mesh``
+plans it: two process groups per rank with collectives of both in flight (the MoE always runs on ``dp`` x ``ep``). Every rank runs with
 glibc's heap checks (``MALLOC_CHECK_=3``, with ``libc_malloc_debug.so`` preloaded where
 glibc has it, as glibc >= 2.34 needs; ``MALLOC_PERTURB_`` random in 1..255 per launch) and
 ``PYTHONFAULTHANDLER=1``, so a use of freed memory tends to abort or crash, with the Python
@@ -25,8 +25,9 @@ A launch counts as one of:
 * ``error``: a rank exited non-zero without a signal (a Python exception);
 * ``wrong``: every rank finished, but a step's global loss differs from the one-device
   reference (the same model, init and batch, unsharded, in this process) by more than
-  ``1e-4 * max(1, |loss|)``, or the ranks issued different numbers of collectives in a
-  step (the process group pairs collectives by sequence number: they must match);
+  ``1e-4 * (step + 1) * |loss|`` (see ``TOLERANCE``), or the ranks issued different numbers
+  of collectives in a step (a process group pairs collectives by sequence number: they
+  must match);
 * ``ok``: otherwise.
 
 Prints one table of counts per (model, nproc, mode) and appends one JSON line to
@@ -58,6 +59,10 @@ MODELS = ("mlp", "llama-tiny", "llama-small", "moe-tiny")
 STEPS = 5
 """Training steps per launch unless ``--steps`` says otherwise."""
 TOLERANCE = 1e-4
+"""How far step k's global loss may lie from one device's, relative, times ``k + 1``: the
+ranks sum in another order than one device, and the rounding differences compound with each
+optimizer step (40 steps of the 21 M LLaMA on a (2, 2) mesh drift by up to 5.5e-4 relative,
+at 0.3 of this bound, the same in every launch); a corrupted value lies far further off."""
 OUTCOMES = ("ok", "abort", "hang", "error", "wrong")
 MALLOC_DEBUG = ctypes.util.find_library("c_malloc_debug")
 """glibc's checking allocator (where it is a library of its own), preloaded into every rank."""
@@ -122,7 +127,9 @@ def _train(
     else:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     workload = _workload(model)
-    module = plan_ours(workload, mesh, rows=rows).module
+    # on dp x tp with the parameter memory constraint, as search_mesh plans a candidate: the
+    # parameters sharded over both dims, gathered on both groups
+    module = plan_ours(workload, mesh, rows=rows, memory_constraint=rows is not None).module
     optimizer = make_optimizer(module)
     run = (
         torch.compile(module, backend=autoparallel_backend(), fullgraph=True)
@@ -260,7 +267,10 @@ def launch(
         return Launch("error", seconds, perturb, f"rank {rank} exit {codes[rank]}: {work}")
     losses = json.loads(out.read_text())
     issued = [_issued(work / f"rank{rank}.log") for rank in range(nproc)]
-    if any(abs(a - b) > TOLERANCE * max(1.0, abs(b)) for a, b in zip(losses, reference)):
+    if any(
+        abs(a - b) > TOLERANCE * (step + 1) * max(abs(b), 1e-3)
+        for step, (a, b) in enumerate(zip(losses, reference))
+    ):
         return Launch("wrong", seconds, perturb, f"{losses} vs {reference}: {work}", issued[0])
     if any(counts != issued[0] for counts in issued):
         return Launch("wrong", seconds, perturb, f"ranks issued {issued}: {work}", issued[0])
