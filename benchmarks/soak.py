@@ -1,7 +1,7 @@
 """Soak test: how often a fresh multi-rank training launch aborts, hangs or trains wrongly.
 
     python -m benchmarks.soak [--launches 50] [--nproc 2 4] [--models llama-tiny ...]
-        [--mesh 1d|2d] [--steps 5] [--compile] [--eager] [--timeout 300] [--logs DIR]
+        [--mesh 1d|2d] [--steps 5] [--hardware cpu|profile.json] [--compile] [--eager] [--timeout 300] [--logs DIR]
 
 Each launch is what a new user runs: ``--nproc`` fresh processes (a torchrun-like
 environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), each joining a new
@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results import record
+from benchmarks.results import preset_suffix, record
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("mlp", "llama-tiny", "llama-small", "moe-tiny")
@@ -81,7 +81,9 @@ def _workload(name: str) -> Any:
 # ---------------------------------------------------------------------------------- a rank
 
 
-def rank_main(model: str, mesh_kind: str, steps: int, compiled: bool, out: str) -> None:
+def rank_main(
+    model: str, mesh_kind: str, steps: int, compiled: bool, out: str, hardware: str | None = None
+) -> None:
     """One rank of one launch (the environment says which): plan, train, report losses,
     then leave as a user should (autoparallel.shutdown_distributed, runtime/shutdown.py)."""
     import torch
@@ -93,7 +95,7 @@ def rank_main(model: str, mesh_kind: str, steps: int, compiled: bool, out: str) 
     dist.init_process_group(serial_gloo_backend())
     rank, world_size = dist.get_rank(), dist.get_world_size()
     os.dup2(2, 1)  # the solver's banner goes to the log, not to the parent's table
-    losses, issued = _train(model, mesh_kind, steps, compiled, rank, world_size)
+    losses, issued = _train(model, mesh_kind, steps, compiled, rank, world_size, hardware)
     print(f"{ISSUED}{json.dumps(issued)}", file=sys.stderr, flush=True)
     total = torch.stack(losses)
     dist.all_reduce(total)
@@ -106,7 +108,13 @@ def rank_main(model: str, mesh_kind: str, steps: int, compiled: bool, out: str) 
 
 
 def _train(
-    model: str, mesh_kind: str, steps: int, compiled: bool, rank: int, world_size: int
+    model: str,
+    mesh_kind: str,
+    steps: int,
+    compiled: bool,
+    rank: int,
+    world_size: int,
+    hardware: str | None = None,
 ) -> tuple[list, list[int]]:
     """Plan ``model`` on a fresh mesh and train it ``steps`` steps; the losses (this rank's) and
     the collectives issued in each step. The mesh and the module die when this returns."""
@@ -129,7 +137,9 @@ def _train(
     workload = _workload(model)
     # on dp x tp with the parameter memory constraint, as search_mesh plans a candidate: the
     # parameters sharded over both dims, gathered on both groups
-    module = plan_ours(workload, mesh, rows=rows, memory_constraint=rows is not None).module
+    module = plan_ours(
+        workload, mesh, rows=rows, memory_constraint=rows is not None, hardware=hardware
+    ).module
     optimizer = make_optimizer(module)
     run = (
         torch.compile(module, backend=autoparallel_backend(), fullgraph=True)
@@ -209,6 +219,7 @@ def launch(
     timeout_s: float,
     logs: Path,
     reference: list[float],
+    hardware: str | None = None,
 ) -> Launch:
     """Start ``nproc`` fresh ranks of one launch, wait for them, classify the result."""
     perturb = random.randint(1, 255)
@@ -229,6 +240,7 @@ def launch(
         env["LD_PRELOAD"] = " ".join(filter(None, (env.get("LD_PRELOAD"), MALLOC_DEBUG)))
     command = [sys.executable, "-m", "benchmarks.soak", "--rank-of", model, "--out", str(out)]
     command += ["--mesh", mesh_kind, "--steps", str(len(reference))]
+    command += ["--hardware", hardware] if hardware else []
     command += ["--compile"] if compiled else []
     start = time.monotonic()
     procs = []
@@ -298,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mesh", choices=("1d", "2d"), default="1d", help="2d: (ranks / 2, 2) dp x tp"
     )
+    parser.add_argument("--hardware", help="preset or profile.json to plan with (default: cpu)")
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps per launch")
     parser.add_argument("--eager", action="store_true", help="eager launches (the default)")
     parser.add_argument("--compile", action="store_true", help="torch.compile launches")
@@ -309,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_of:
-        rank_main(args.rank_of, args.mesh, args.steps, args.compile, args.out)
+        rank_main(args.rank_of, args.mesh, args.steps, args.compile, args.out, args.hardware)
         return 0
     modes = (["eager"] if args.eager or not args.compile else []) + (
         ["compile"] if args.compile else []
@@ -332,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.timeout,
                         args.logs,
                         reference,
+                        args.hardware,
                     )
                     tally[result.outcome] += 1
                     print(
@@ -347,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 counts.append(
                     {"model": model, "nproc": nproc, "mode": mode, "launches": args.launches}
                     | {"mesh": _mesh_label(model, args.mesh), "steps": args.steps}
+                    | {"hardware": args.hardware or "cpu"}
                     | tally
                     | {"collectives_per_step": sorted(issued), "failures": failures}
                 )
@@ -377,6 +392,7 @@ def _soak_record(row: dict) -> dict:
     raw = {key: value for key, value in row.items() if key not in ("model", "nproc", "mode")}
     suffix = "-2d" if row["mesh"] == "dp x tp" else ""
     suffix += f"-{row['steps']}steps" if row["steps"] != STEPS else ""
+    suffix += preset_suffix(row["hardware"]) if row["hardware"] != "cpu" else ""
     return {
         "question": f"{row['model']}-{row['nproc']}r-{row['mode']}{suffix}",
         "what": f"fresh launches of {row['model']} on {row['nproc']} gloo ranks ({row['mode']}, "
