@@ -383,6 +383,15 @@ def _mesh_label(model: str, mesh_kind: str) -> str:
     return "dp x tp" if mesh_kind == "2d" else "dp"
 
 
+def _priced_on(hardware: str) -> str:
+    """How a record names the hardware model its plans were priced on (none for the default)."""
+    if hardware == "cpu":
+        return ""
+    if hardware.endswith(".json"):
+        return ", priced on a profile from autoparallel calibrate"
+    return f", priced on {hardware}"
+
+
 def _soak_record(row: dict) -> dict:
     """One results record (benchmarks/results.py) of a (model, ranks, mode) row."""
     bad = {outcome: row[outcome] for outcome in OUTCOMES if outcome != "ok" and row[outcome]}
@@ -396,7 +405,8 @@ def _soak_record(row: dict) -> dict:
     return {
         "question": f"{row['model']}-{row['nproc']}r-{row['mode']}{suffix}",
         "what": f"fresh launches of {row['model']} on {row['nproc']} gloo ranks ({row['mode']}, "
-        f"mesh {row['mesh']}), {row['steps']} AdamW steps each under glibc's heap checks: "
+        f"mesh {row['mesh']}{_priced_on(row['hardware'])}), {row['steps']} AdamW steps each "
+        "under glibc's heap checks: "
         "launches ending clean",
         "figure": figure,
         **raw,
