@@ -19,8 +19,9 @@ they go). A candidate no plan fits (an infeasible constraint) is kept with its r
 Contract: the returned :class:`MeshSearch` lists every candidate: the planned ones whose
 predicted peak memory fits the hardware's device memory, by predicted step time, then the
 planned ones that do not fit (a budget with recomputation is not searched yet: give the
-mesh and ``add_memory_constraint``), then the skipped ones; ``best`` is the first. ``search_mesh`` leaves no process group behind. It raises ValueError for a device
-count or node size below 1, and :class:`MeshSearchError` naming every candidate's reason
+mesh and ``add_memory_constraint``), then the skipped ones; ``best`` is the first.
+``search_mesh`` leaves no process group behind. It raises ValueError for a device count or
+node size below 1, and :class:`MeshSearchError` naming every candidate's reason
 when none could be planned. Not yet here (issue 46): pipeline and expert dims, and tracing
 the model once for all candidates (each is traced on its own mesh).
 """
@@ -57,6 +58,17 @@ __all__ = [
 
 class MeshSearchError(ValueError):
     """No candidate mesh could be planned; the message names each one's reason."""
+
+
+@dataclass(frozen=True)
+class _PlanSettings:
+    """What every candidate is planned with (``search_mesh``'s arguments but the mesh)."""
+
+    gpus_per_node: int
+    hardware: Any
+    mp_policy: Any
+    parameter_memory: bool
+    time_limit_s: float
 
 
 @dataclass(frozen=True)
@@ -154,15 +166,11 @@ def search_mesh(
     path or a Hardware; see AutoParallel); the candidates ranked (see the module doc)."""
     shapes = candidate_shapes(devices, gpus_per_node, tp_across_nodes)
     batch = _global_batch(input_fn)
+    settings = _PlanSettings(gpus_per_node, hardware, mp_policy, parameter_memory, time_limit_s)
     tried = []
     for index, (shape, names) in enumerate(shapes, start=1):
         logger.info("mesh %d of %d: %s %s", index, len(shapes), shape, names)
-        tried.append(
-            _plan_on(
-                model, input_fn, shape, names, batch, gpus_per_node, hardware, mp_policy,
-                parameter_memory, time_limit_s,
-            )
-        )  # fmt: skip
+        tried.append(_plan_on(model, input_fn, shape, names, batch, settings))
     planned = sorted(
         (c for c in tried if c.plan is not None), key=lambda c: (c.fits is False, c.predicted_ms)
     )
@@ -185,11 +193,7 @@ def _plan_on(
     shape: tuple[int, ...],
     names: tuple[str, ...],
     batch: int | None,
-    gpus_per_node: int,
-    hardware: Any,
-    mp_policy: Any,
-    parameter_memory: bool,
-    time_limit_s: float,
+    settings: _PlanSettings,
 ) -> MeshCandidate:
     """One candidate planned on a fake mesh (left destroyed), or skipped with the reason."""
     dp = shape[0] if names[0] == "dp" else 1
@@ -202,12 +206,12 @@ def _plan_on(
             model,
             input_fn,
             mesh,
-            mp_policy,
-            hardware=hardware,
-            gpus_per_node=gpus_per_node,
-            time_limit_s=time_limit_s,
+            settings.mp_policy,
+            hardware=settings.hardware,
+            gpus_per_node=settings.gpus_per_node,
+            time_limit_s=settings.time_limit_s,
         ) as autop:
-            constrain_candidate(autop, batch, names, parameter_memory)
+            constrain_candidate(autop, batch, names, settings.parameter_memory)
             plan = autop.optimize_placement()
             memory_bytes = autop.topology.hardware.memory_bytes
     except InfeasibleConstraintsError as error:

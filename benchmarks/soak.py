@@ -1,18 +1,20 @@
 """Soak test: how often a fresh multi-rank training launch aborts, hangs or trains wrongly.
 
     python -m benchmarks.soak [--launches 50] [--nproc 2 4] [--models llama-tiny ...]
-        [--mesh 1d|2d] [--steps 5] [--hardware cpu|profile.json] [--compile] [--eager] [--timeout 300] [--logs DIR]
+        [--mesh 1d|2d] [--steps 5] [--hardware cpu|profile.json] [--compile] [--eager]
+        [--timeout 300] [--logs DIR]
 
 Each launch is what a new user runs: ``--nproc`` fresh processes (a torchrun-like
 environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), each joining a new
 gloo process group, planning the model with the public API (``AutoParallel`` ->
 ``optimize_placement`` -> ``apply_placement`` -> ``to_empty`` -> ``init_weights``) and
-training ``--steps`` steps (5) of ``torch.optim.AdamW(foreach=True)`` on its rows of a fixed global batch,
-eagerly or under ``torch.compile`` with ``autoparallel_backend()``. The mesh is 1-D over all
-ranks (``dp``), or with ``--mesh 2d`` a (ranks / 2, 2) ``dp`` x ``tp`` mesh with the batch
-split over ``dp`` only and the parameter memory constraint, as ``autoparallel.search_mesh``
-plans it: two process groups per rank with collectives of both in flight (the MoE always runs on ``dp`` x ``ep``). Every rank runs with
-glibc's heap checks (``MALLOC_CHECK_=3``, with ``libc_malloc_debug.so`` preloaded where
+training ``--steps`` steps (5) of ``torch.optim.AdamW(foreach=True)`` on its rows of a fixed
+global batch, eagerly or under ``torch.compile`` with ``autoparallel_backend()``, priced on
+``--hardware`` (AutoParallel's default, the ``h100`` preset, unless given). The mesh is 1-D over all ranks (``dp``), or
+with ``--mesh 2d`` a (ranks / 2, 2) ``dp`` x ``tp`` mesh with the batch split over ``dp`` only
+and the parameter memory constraint, as ``autoparallel.search_mesh`` plans it: two process
+groups per rank with collectives of both in flight (the MoE always runs on ``dp`` x ``ep``).
+Every rank runs with glibc's heap checks (``MALLOC_CHECK_=3``, with ``libc_malloc_debug.so`` preloaded where
 glibc has it, as glibc >= 2.34 needs; ``MALLOC_PERTURB_`` random in 1..255 per launch) and
 ``PYTHONFAULTHANDLER=1``, so a use of freed memory tends to abort or crash, with the Python
 stack of the dying rank in its log.
@@ -310,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mesh", choices=("1d", "2d"), default="1d", help="2d: (ranks / 2, 2) dp x tp"
     )
-    parser.add_argument("--hardware", help="preset or profile.json to plan with (default: cpu)")
+    parser.add_argument(
+        "--hardware", help="preset or profile.json to plan with (default: AutoParallel's, h100)"
+    )
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps per launch")
     parser.add_argument("--eager", action="store_true", help="eager launches (the default)")
     parser.add_argument("--compile", action="store_true", help="torch.compile launches")
@@ -361,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 counts.append(
                     {"model": model, "nproc": nproc, "mode": mode, "launches": args.launches}
                     | {"mesh": _mesh_label(model, args.mesh), "steps": args.steps}
-                    | {"hardware": args.hardware or "cpu"}
+                    | {"hardware": args.hardware or "default"}
                     | tally
                     | {"collectives_per_step": sorted(issued), "failures": failures}
                 )
@@ -385,7 +389,7 @@ def _mesh_label(model: str, mesh_kind: str) -> str:
 
 def _priced_on(hardware: str) -> str:
     """How a record names the hardware model its plans were priced on (none for the default)."""
-    if hardware == "cpu":
+    if hardware == "default":
         return ""
     if hardware.endswith(".json"):
         return ", priced on a profile from autoparallel calibrate"
@@ -401,7 +405,7 @@ def _soak_record(row: dict) -> dict:
     raw = {key: value for key, value in row.items() if key not in ("model", "nproc", "mode")}
     suffix = "-2d" if row["mesh"] == "dp x tp" else ""
     suffix += f"-{row['steps']}steps" if row["steps"] != STEPS else ""
-    suffix += preset_suffix(row["hardware"]) if row["hardware"] != "cpu" else ""
+    suffix += preset_suffix(row["hardware"]) if row["hardware"] != "default" else ""
     return {
         "question": f"{row['model']}-{row['nproc']}r-{row['mode']}{suffix}",
         "what": f"fresh launches of {row['model']} on {row['nproc']} gloo ranks ({row['mode']}, "

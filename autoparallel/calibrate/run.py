@@ -122,9 +122,12 @@ def calibrate_group(
 NOISY_SPREAD = 0.1
 """A figure timed in rounds is noisy when the middle half of its rounds lie further apart
 than this share of their median (for three rounds: the range over 20 %); a calibration is
-flagged noisy when its median figure is: a second profile of
-the same machine may then price plans differently, and the run is worth repeating on a
-quieter host (or with ``--rounds`` raised)."""
+flagged noisy when its median figure is: a second profile of the same machine may then
+price plans differently, and the run is worth repeating on a quieter host (or with
+``--rounds`` raised)."""
+
+MOST_ROUNDS_FACTOR = 3
+"""A noisy collective size is timed in up to this many times the settings' rounds."""
 
 
 def _time_sizes(
@@ -152,10 +155,6 @@ def _time_sizes(
     for _ in range(settings.rounds * (MOST_ROUNDS_FACTOR - 1) if noisy else 0):
         time_round(noisy)
     return per_size
-
-
-MOST_ROUNDS_FACTOR = 3
-"""A noisy collective size is timed in up to this many times the settings' rounds."""
 
 
 def _spread(times: list[float]) -> float:

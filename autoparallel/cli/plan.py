@@ -305,8 +305,10 @@ def _searched(request: PlanRequest) -> PlanRequest:
     print("\n".join(found.table()))
     best = found.best
     if best.fits is False:
-        print(f"no mesh's predicted peak fits the device; the fastest, {best.mesh_text}, needs "
-              f"{best.peak_memory_gib:.3g} GiB: try --memory-budget device with --mesh")  # fmt: skip
+        print(
+            f"no mesh's predicted peak fits the device; the fastest, {best.mesh_text}, needs "
+            f"{best.peak_memory_gib:.3g} GiB: try --memory-budget device with --mesh"
+        )
     print(f"planning on {best.mesh_text}\n")
     return dataclasses.replace(request, mesh_shape=best.shape, mesh_names=best.names)
 
