@@ -33,6 +33,7 @@ from helpers.runtime_cases import (
         ("llama", (2, 2), "ddp-pinned"),  # gradients summed over both dims in one bucket
         ("llama", (2, 2), "fsdp"),  # parameters gathered, gradients scattered over both dims
         ("llama", (2,), "gathered-heads"),  # a traced view on a gathered copy
+        ("llama", (2, 2), "vocab-parallel"),  # the table's rows split, its result read twice
         ("llama-deep", (2,), "fsdp"),  # its graph is built from 3 and 4 traced layers
         ("llama", (2,), "recompute"),  # layers the solver chose to recompute in the backward
         ("moe", (2, 2), "expert-parallel"),  # local_map dispatch: all-to-alls over "ep"

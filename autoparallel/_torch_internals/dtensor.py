@@ -32,9 +32,15 @@ try:  # mirrored without their pricing by strategies/view_rules.py (see view_rul
 except ImportError:  # torch moved them: every op keeps DTensor's own (priced) strategy
     _dtensor_math_ops = _dtensor_tensor_ops = _dtensor_view_ops = None
 
+try:  # DTensor's rowwise embedding marks ids and result with it (runtime/vocab_lookup.py)
+    from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
+except ImportError:  # torch renamed it: no strategy produces it, so nothing to recognize
+    MaskPartial = None
+
 __all__ = [
     "DTensor",
     "DTensorSpec",
+    "MaskPartial",
     "OpSchema",
     "OpSpec",
     "OpStrategy",
@@ -65,6 +71,12 @@ def wrap_local(local: torch.Tensor, spec: Any) -> DTensor:
     """A DTensor of ``local`` with the given spec, no checks and no autograd node (the
     caller guarantees ``local`` is this rank's shard of a tensor with that spec)."""
     return DTensor(local, spec, requires_grad=False)
+
+
+def is_mask_partial(placement: Any) -> bool:
+    """Whether ``placement`` is DTensor's ``_MaskPartial`` (its rowwise embedding's mark: a
+    Partial whose reduction first applies a mask kept inside the placement object)."""
+    return MaskPartial is not None and isinstance(placement, MaskPartial)
 
 
 # ---------------------------------------------------------------------------- DTensor strategies

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ from autoparallel.graph.fx_args import tensor_input_nodes
 from autoparallel.graph.layers import forward_layers, layer_members, layer_recompute
 from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
 from autoparallel.runtime.shards import contiguous_strides, wrap_shard
+from autoparallel.runtime.vocab_lookup import held_rows, masked_dims, plain_partials, unmasked_ids
 from autoparallel.trace.sharding_constraint import sharding_constraint_op
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import is_multi
@@ -51,6 +52,7 @@ from autoparallel.types.plan import Plan
 from autoparallel.types.tensors import local_shape_at
 
 logger = logging.getLogger(__name__)
+aten = torch.ops.aten
 
 _STRIDED_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 """Views that need their input's strides to allow them (see the module doc)."""
@@ -66,6 +68,7 @@ class NodeProgram:
     run_locally: bool
     input_routes: dict[int, tuple] = field(default_factory=dict)  # slot -> placements in between
     fill: bool = False  # made as this rank's piece directly (graph/fill_ops.py)
+    local_op: Callable[..., torch.Tensor] | None = None  # run instead of the node's target
 
 
 class JointExecutor:
@@ -88,21 +91,11 @@ class JointExecutor:
         for node in graph.nodes:
             if node.op != "call_function" or node.name not in plan.nodes:
                 continue
-            node_plan = plan.nodes[node.name]
-            slots = {a.slot: a.dst for a in node_plan.arguments if a.kind == "arg"}
-            routes = {a.slot: a.route for a in node_plan.arguments if a.kind == "arg" and a.route}
-            self.programs[node] = NodeProgram(
-                node,
-                slots,
-                node_plan.strategy.output,
-                node.name in local_sources,
-                routes,
-                fill=is_fill(node) and not is_multi(node_plan.strategy.output),
-            )
+            self.programs[node] = self._program(node, node.name in local_sources)
         # routes of the boundary edges (gradients into their parameter/input, outputs into
         # their tangent), read once here rather than on every call
         self.boundary_routes = {
-            (name, a.kind): a.route
+            (name, a.kind): tuple(plain_partials(step) for step in a.route)
             for name, node_plan in plan.nodes.items()
             for a in node_plan.arguments
             if a.kind != "arg" and a.route
@@ -129,6 +122,33 @@ class JointExecutor:
             id(order): self._plan_gathers(order)
             for order in (self.forward_order, self.backward_order, self.inference_order)
         }
+
+    def _program(self, node: fx.Node, run_locally: bool) -> NodeProgram:
+        """``node``'s placements as the executor runs them: a ``_MaskPartial`` is the plain
+        Partial it is once masked, and a vocabulary-parallel lookup runs on local pieces
+        with its ids replicated (runtime/vocab_lookup.py)."""
+        node_plan = self.plan.nodes[node.name]
+        arguments = [a for a in node_plan.arguments if a.kind == "arg"]
+        slots = {a.slot: plain_partials(a.dst) for a in arguments}
+        routes = {a.slot: tuple(plain_partials(s) for s in a.route) for a in arguments if a.route}
+        local_op = None
+        ids = next((a for a in arguments if a.slot == 1), None)
+        if node.target is aten.embedding.default and ids is not None and masked_dims(ids.dst):
+            slots[1] = unmasked_ids(ids.dst)
+            routes[1] = tuple(unmasked_ids(step) for step in ids.route)
+            coordinate = self.mesh.get_coordinate()
+            local_op = held_rows(node, slots[0], tuple(self.mesh.shape), coordinate)
+            run_locally = True
+        output = plain_partials(node_plan.strategy.output)
+        return NodeProgram(
+            node,
+            slots,
+            output,
+            run_locally,
+            routes,
+            fill=is_fill(node) and not is_multi(output),
+            local_op=local_op,
+        )
 
     def _recompute(self, layers: Sequence[str]) -> None:
         """Move each of ``layers``' forward regions into the backward (graph/layers.py):
@@ -267,7 +287,7 @@ class JointExecutor:
             kwargs["device"] = self.device
         if node.target in _STRIDED_VIEWS:
             args = (_contiguous(args[0]), *args[1:])
-        result = node.target(*args, **kwargs)
+        result = (program.local_op or node.target)(*args, **kwargs)
         return self._conform(result, program.output_placements, traced)
 
     def _filled(self, node: fx.Node, planned: Sequence) -> DTensor:

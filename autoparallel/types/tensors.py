@@ -81,6 +81,26 @@ def local_shape_at(
     return tuple(shape)
 
 
+def local_offset_at(
+    global_shape: Sequence[int],
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+) -> tuple[int, ...]:
+    """Where the piece of the rank at ``coordinate`` starts in the global tensor, per tensor
+    dim: the offsets of :func:`local_shape_at`'s pieces, mesh dims applied in order."""
+    shape = list(int(s) for s in global_shape)
+    offset = [0] * len(shape)
+    for mesh_size, placement, index in zip(mesh_shape, placements, coordinate):
+        if isinstance(placement, Shard):
+            dim = placement.dim % len(shape)
+            chunk = -(-shape[dim] // mesh_size)
+            start = min(chunk * index, shape[dim])
+            offset[dim] += start
+            shape[dim] = max(0, min(chunk, shape[dim] - start))
+    return tuple(offset)
+
+
 def local_info(
     info: TensorInfo, placements: Sequence[Placement], mesh_shape: Sequence[int]
 ) -> TensorInfo:

@@ -131,6 +131,8 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
             optimizer.add_node_constraint(params[row], (Replicate(), Shard(1)))
         if kind == "gathered-heads":
             _gather_heads_before_transpose(autop.sharding_optimizer)
+        if kind == "vocab-parallel":
+            _rowwise_embedding(autop.sharding_optimizer)
         if kind == "ddp-pinned":  # every parameter replicated: DDP's plan
             optimizer = autop.sharding_optimizer
             for node in optimizer.problem.joint.params.values():
@@ -163,6 +165,22 @@ def _gather_heads_before_transpose(optimizer) -> None:
     transpose = next(u for u in output.users if "transpose" in str(u.target))
     optimizer.add_node_constraint(output, (Shard(1),), name="heads sharded")
     optimizer.add_node_constraint(transpose, (Replicate(),), name="gathered before transpose")
+
+
+def _rowwise_embedding(optimizer) -> None:
+    """The embedding looked up in a table split by rows over "tp" (DTensor's vocabulary-
+    parallel strategy, ids and result marked ``_MaskPartial``); its result is read twice
+    (the residual and the first RMSNorm), so it is reduced once per reader."""
+    graph = optimizer.problem.joint.graph
+    lookup = next(
+        iter(graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default))
+    )
+    rowwise = next(
+        s.output
+        for s in optimizer.problem.space[lookup].strategies
+        if s.output[0] == Replicate() and type(s.output[1]).__name__ == "_MaskPartial"
+    )
+    optimizer.add_placement_constraint(lookup, rowwise, "rows of the table over tp", lookup.name)
 
 
 def _local_rows(batch: torch.Tensor, mesh) -> torch.Tensor:
@@ -249,6 +267,11 @@ def _train(
         1
         for _, a in plan.redistributions()
         if "P" in placement_str(a.src) and "P" not in placement_str(a.dst)
+    )
+    result["rowwise_lookups"] = sum(
+        1
+        for n in plan.nodes.values()
+        if n.target.endswith("embedding.default") and "MaskP" in str(n.strategy.output)
     )
     result["heads_gathered"] = any(
         "transpose" in consumer and placement_str(a.src) == "S(1)" and placement_str(a.dst) == "R"
@@ -522,6 +545,8 @@ def check_parallel_training(
             assert rank0["backward_all_reduces"] < rank0["trained_parameters"]
     elif kind == "gathered-heads":
         assert rank0["heads_gathered"]
+    elif kind == "vocab-parallel":
+        assert rank0["rowwise_lookups"] == 1
     elif kind == "fsdp":
         assert all("S(" in p for p in placements.values() if p), placements
         if len(shape) == 2:  # sharded over both mesh dims, gathered and reduced in buckets
