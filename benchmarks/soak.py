@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results import preset_suffix, record
+from benchmarks.results import record
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("mlp", "llama-tiny", "llama-small", "moe-tiny")
@@ -396,6 +396,14 @@ def _priced_on(hardware: str) -> str:
     return f", priced on {hardware}"
 
 
+def _hardware_suffix(hardware: str) -> str:
+    """The question key's tail for what the launches planned with: none for AutoParallel's
+    default (a user's first run), ``-profile`` for a calibrated profile, ``-<preset>``."""
+    if hardware == "default":
+        return ""
+    return "-profile" if hardware.endswith(".json") else f"-{hardware}"
+
+
 def _soak_record(row: dict) -> dict:
     """One results record (benchmarks/results.py) of a (model, ranks, mode) row."""
     bad = {outcome: row[outcome] for outcome in OUTCOMES if outcome != "ok" and row[outcome]}
@@ -405,7 +413,7 @@ def _soak_record(row: dict) -> dict:
     raw = {key: value for key, value in row.items() if key not in ("model", "nproc", "mode")}
     suffix = "-2d" if row["mesh"] == "dp x tp" else ""
     suffix += f"-{row['steps']}steps" if row["steps"] != STEPS else ""
-    suffix += preset_suffix(row["hardware"]) if row["hardware"] != "default" else ""
+    suffix += _hardware_suffix(row["hardware"])
     return {
         "question": f"{row['model']}-{row['nproc']}r-{row['mode']}{suffix}",
         "what": f"fresh launches of {row['model']} on {row['nproc']} gloo ranks ({row['mode']}, "

@@ -1,5 +1,5 @@
 """Shared fixtures: meshes on torch's fake process group (nothing communicates), and gloo
-ranks shared by the multi-rank checks of one test module."""
+ranks shared by the multi-rank checks of one test process (an xdist worker)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,12 @@ def fake_mesh():
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ranks():
     """``ranks(world_size)`` -> a :class:`RankPool` of that size, started on first use and
-    shared by the module's tests (starting ranks costs seconds; see runtime/launch.py)."""
+    shared by every test of this process: starting ranks, and importing what the checks
+    import in them, costs seconds per rank. A pool stops its ranks after any failed check,
+    so the next check starts fresh ones (runtime/launch.py)."""
     pools: dict[int, RankPool] = {}
 
     def pool(world_size: int) -> RankPool:
@@ -50,10 +52,10 @@ def meta(factory):
         return factory()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references():
     """``references(model_name)`` -> the single-device training run of a runtime-case model
-    (helpers/runtime_cases.reference_of), computed once per test module."""
+    (helpers/runtime_cases.reference_of), computed once per test process."""
     from helpers.runtime_cases import reference_of
 
     cache: dict[str, dict] = {}
@@ -64,3 +66,4 @@ def references():
         return cache[model_name]
 
     return get
+

@@ -14,9 +14,8 @@ from autoparallel.strategies import space as space_module
 from autoparallel.strategies.space import build_strategy_space
 from autoparallel.trace.export import trace_joint
 
-# 2 layers, narrow: every op kind of the LLaMA, with fewer evenly dividing shards per tensor,
-# so DTensor's own whole-mesh pricing (the oracle here) takes ~25 s on (2, 2, 2), not ~60 s
-# one layer: every op kind of a deeper model, half the strategies DTensor expands slowly
+# one narrow layer: every op kind of a deeper LLaMA, with fewer evenly dividing shards per
+# tensor, so DTensor's own whole-mesh pricing (the oracle here) stays short on (2, 4)
 CONFIG = llama_config(
     "tiny", dim=36, n_heads=3, n_kv_heads=1, ffn_hidden=90, vocab_size=250, n_layers=1
 )
@@ -33,6 +32,38 @@ MIRRORED = (
     "sum",
     "mean",
 )
+
+
+class HeadsAndHalves(torch.nn.Module):
+    """Every op kind the fast path mirrors in a few dozen nodes, for a 3-D mesh where DTensor's
+    own pricing of the LLaMA takes most of a minute: a head split (view, transpose, permute,
+    reshape), rotary-style halves (slices and cat: slice_backward in the backward), a
+    broadcast (unsqueeze, expand) and the reductions (sum, mean)."""
+
+    def __init__(self, dim: int = 12, heads: int = 3):
+        super().__init__()
+        self.heads = heads
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(dim // heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        h = self.proj(x).view(batch, seq, self.heads, dim // self.heads).transpose(1, 2)
+        half = h.shape[-1] // 2
+        rotated = torch.cat((-h[..., half:], h[..., :half]), dim=-1)
+        h = h + rotated * self.scale.unsqueeze(0).expand(seq, -1)
+        out = h.permute(0, 2, 1, 3).reshape(batch, seq, dim)
+        return out.sum(-1) + out.mean(-1)
+
+
+def _traced(model_name: str):
+    if model_name == "llama":
+        model = meta(lambda: Llama(CONFIG))
+        inputs = lambda: torch.randint(0, CONFIG.vocab_size, (8, 32))  # noqa: E731
+    else:
+        model = meta(HeadsAndHalves)
+        inputs = lambda: torch.randn(4, 8, 12)  # noqa: E731
+    return trace_joint(model, inputs, torch.device("cpu"))
 
 
 def _key(strategies) -> list[str]:
@@ -68,13 +99,12 @@ def _base_name(node) -> str:
     return target._schema.name.split("::")[-1] if isinstance(target, torch._ops.OpOverload) else ""
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (2, 4)])
-def test_unpriced_whole_mesh_strategies_match_dtensor(fake_mesh, monkeypatch, shape):
+@pytest.mark.parametrize(
+    ("model_name", "shape"), [("heads-and-halves", (2, 2, 2)), ("llama", (2, 4))]
+)
+def test_unpriced_whole_mesh_strategies_match_dtensor(fake_mesh, monkeypatch, model_name, shape):
     mesh = fake_mesh(shape)
-    model = meta(lambda: Llama(CONFIG))
-    joint = trace_joint(
-        model, lambda: torch.randint(0, CONFIG.vocab_size, (8, 32)), torch.device("cpu")
-    )
+    joint = _traced(model_name)
 
     ours, ours_raw, asked = _build(joint, mesh, monkeypatch)
     monkeypatch.setattr(dtensor_adapter, "_USE_DTENSOR_WHOLE_MESH", True)

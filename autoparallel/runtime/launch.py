@@ -1,7 +1,7 @@
 """Start N gloo ranks on this machine and collect what each returns (CPU, one process per rank).
 
 ``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
-``world_size`` fresh spawned processes joined by a gloo process group and returns what each
+``world_size`` fresh processes joined by a gloo process group and returns what each
 rank returned, in rank order. A :class:`RankPool` does the same on ranks started once and
 reused. ``autoparallel calibrate`` measures the machine with it; tests and benchmarks use it
 to check and time the parallel module. :func:`fake_mesh` is the other way to get ranks:
@@ -16,6 +16,7 @@ without reporting (a signal, ``os._exit``) is named in the error with its exit c
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import pickle
 import queue as queue_module
@@ -91,8 +92,28 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def _rank_context() -> Any:
+    """Where ranks come from: forked from multiprocessing's fork server, which imported torch
+    and autoparallel once, so a rank starts in milliseconds instead of the seconds a fresh
+    interpreter spends importing torch; ``spawn`` where there is no fork server (Windows).
+
+    Each rank is still a process of its own that ran nothing before ``fn``: the server is
+    single-threaded and only imported (no CUDA, no process group). It is started by the first
+    launch of this process and outlives it, so settings torch reads at import (e.g.
+    ``OMP_NUM_THREADS``, set to 1 for every launch) are those of that first launch; every
+    other environment variable a rank sees is the launching process's at launch time
+    (:func:`_child_env`).
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return torch_mp.get_context("spawn")
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "autoparallel"])
+    return torch_mp.get_context("forkserver")
+
+
 def _child_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """A rank's whole environment: the launching process's now, and the rank's own."""
     return {
+        **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "RANK": str(rank),
@@ -105,7 +126,8 @@ def _child_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 @contextmanager
 def _environ(values: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration of the block (a spawned child inherits them)."""
+    """Set environment variables for the duration of the block (the fork server or a spawned
+    child, started inside it, imports torch with them)."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -134,15 +156,15 @@ def pin_to_core(rank: int) -> int | None:
 def _worker(
     rank: int,
     world_size: int,
-    port: int,
+    environment: dict[str, str],
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict,
     results: Any,
     pin_cores: bool = False,
 ) -> None:
-    """Body of one spawned rank: report ("ok", payload) or ("error", traceback) on ``results``."""
-    os.environ.update(_child_env(rank, world_size, port))
+    """Body of one rank: report ("ok", payload) or ("error", traceback) on ``results``."""
+    _adopt(environment)
     if pin_cores:
         pin_to_core(rank)
     torch.set_num_threads(1)
@@ -183,7 +205,8 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
-    Each rank is a fresh process (``spawn``) with ``MASTER_ADDR=127.0.0.1``, a free
+    Each rank is a fresh process (forked from a server that imported torch: see
+    :func:`_rank_context`) with ``MASTER_ADDR=127.0.0.1``, a free
     ``MASTER_PORT``, ``RANK``/``WORLD_SIZE`` set, ``OMP_NUM_THREADS=1`` and
     ``torch.set_num_threads(1)``; it joins the default process group with
     ``init_process_group(serial_gloo_backend())`` (gloo with one worker thread per group,
@@ -205,22 +228,31 @@ def run_distributed(
         raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    context = torch_mp.get_context("spawn")
+    context = _rank_context()
     results = context.Queue()
     port = find_free_port()
     processes = []
     reports: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        # Children inherit the environment at start: OMP_NUM_THREADS must be set before
-        # they import torch, which happens while unpickling the target.
+        # The fork server (or a spawned child) imports torch with this environment:
+        # OMP_NUM_THREADS must be set before that.
         with _environ(
             {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         ):
             for rank in range(world_size):
                 proc = context.Process(
                     target=_worker,
-                    args=(rank, world_size, port, fn, args, kwargs, results, pin_cores),
+                    args=(
+                        rank,
+                        world_size,
+                        _child_env(rank, world_size, port),
+                        fn,
+                        args,
+                        kwargs,
+                        results,
+                        pin_cores,
+                    ),
                     name=f"autoparallel-rank{rank}",
                     daemon=True,
                 )
@@ -298,9 +330,17 @@ def _verdict(
 # ---------------------------------------------------------------------------------- pool
 
 
-def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def _adopt(environment: Mapping[str, str]) -> None:
+    """Make ``environment`` (:func:`_child_env`) this rank's whole environment."""
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+def _pool_worker(
+    rank: int, world_size: int, environment: dict[str, str], tasks: Any, results: Any
+) -> None:
     """Body of one pooled rank: join the group once, then run tasks until told to stop."""
-    os.environ.update(_child_env(rank, world_size, port))
+    _adopt(environment)
     torch.set_num_threads(1)
     dist.init_process_group(serial_gloo_backend(), rank=rank, world_size=world_size)
     while (task := tasks.get()) is not None:
@@ -331,7 +371,7 @@ class RankPool:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
-        self._context = torch_mp.get_context("spawn")
+        self._context = _rank_context()
         self._processes: list[Any] = []
         self._tasks: list[Any] = []
         self._results: Any = None
@@ -365,7 +405,13 @@ class RankPool:
             for rank in range(self.world_size):
                 proc = self._context.Process(
                     target=_pool_worker,
-                    args=(rank, self.world_size, port, self._tasks[rank], self._results),
+                    args=(
+                        rank,
+                        self.world_size,
+                        _child_env(rank, self.world_size, port),
+                        self._tasks[rank],
+                        self._results,
+                    ),
                     name=f"autoparallel-pool-rank{rank}",
                     daemon=True,
                 )

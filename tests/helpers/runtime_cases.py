@@ -23,6 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel, InputMismatchError, autoparallel_backend
 from autoparallel._testing.harness import full_grads, full_params
+from autoparallel._torch_internals import is_mask_partial
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.models.moe import MOE_TINY, MoETransformer
 from autoparallel.regions.local_map import region_forward_op
@@ -178,7 +179,7 @@ def _rowwise_embedding(optimizer) -> None:
     rowwise = next(
         s.output
         for s in optimizer.problem.space[lookup].strategies
-        if s.output[0] == Replicate() and type(s.output[1]).__name__ == "_MaskPartial"
+        if s.output[0] == Replicate() and is_mask_partial(s.output[1])
     )
     optimizer.add_placement_constraint(lookup, rowwise, "rows of the table over tp", lookup.name)
 
