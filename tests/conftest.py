@@ -66,4 +66,3 @@ def references():
         return cache[model_name]
 
     return get
-
