@@ -4,7 +4,9 @@
     python -m benchmarks.render --check   # exit 1 if either differs from what is on disk
 
 ``docs/measurements.md`` is generated whole: one table per results file, the questions
-ordered by their latest record, each question's records newest first. In ``README.md``
+ordered by their latest record, each question's records newest first. A time or size that
+is at least twice its question's previous figure on the same machine is flagged in its
+note, listed at the top of the page and printed when rendering (:func:`regression`). In ``README.md``
 every span ``<!-- figure: BENCHMARK/QUESTION -->...<!-- /figure -->`` is replaced by the
 latest record of that question, naming its results file. A record that cannot be read
 stops the render with its file and line (exit 2).
@@ -149,6 +151,48 @@ def latest(results: dict[str, list[Record]], key: str) -> Record:
     return max(records, key=lambda r: (r.date, r.line))
 
 
+# ----------------------------------------------------------------------------- regressions
+
+LOWER_IS_BETTER = frozenset({"s", "ms", "us", "GB", "GiB", "MB", "MiB"})
+"""Units of figures where more is worse: a planning time, a step time, a peak memory."""
+
+REGRESSION_RATIO = 2.0
+"""How many times its previous figure a figure must be to be flagged."""
+
+
+def regression(group: list[Record]) -> str | None:
+    """Why the newest record of a question (``group``, newest first) is flagged, if it is:
+    a number in a :data:`LOWER_IS_BETTER` unit, at least :data:`REGRESSION_RATIO` times the
+    previous record's on the same machine. A noisy machine moves figures by tens of
+    percent; twice the time is a change in the code or its inputs."""
+    if len(group) < 2:
+        return None
+    new, old = group[0].data, group[1].data
+    numbers = all(
+        isinstance(d["figure"], (int, float)) and not isinstance(d["figure"], bool)
+        for d in (new, old)
+    )
+    if not numbers or new.get("unit") not in LOWER_IS_BETTER or new.get("unit") != old.get("unit"):
+        return None
+    if _machine(new["machine"]) != _machine(old["machine"]) or old["figure"] <= 0:
+        return None
+    ratio = new["figure"] / old["figure"]
+    if ratio < REGRESSION_RATIO:
+        return None
+    return f"{ratio:.1f}x its previous figure ({figure_text(old)}, {old['commit']})"
+
+
+def regressions(results: dict[str, list[Record]]) -> list[tuple[str, str]]:
+    """Every flagged question as (``benchmark/question``, why)."""
+    found = []
+    for name in _order(results):
+        for group in by_question(results[name]):
+            why = regression(group)
+            if why is not None:
+                found.append((f"{name}/{group[0].question}", why))
+    return found
+
+
 # ----------------------------------------------------------------------------- rendering
 
 
@@ -201,15 +245,19 @@ def benchmark_section(name: str, records: list[Record]) -> list[str]:
     ]
     for group in by_question(records):
         previous: tuple[str, ...] = ()
+        flagged = regression(group)
         for index, record in enumerate(group):
             data = record.data
             figure = figure_text(data)
+            note = data.get("note", "")
+            if index == 0 and flagged is not None:
+                note = f"REGRESSION: {flagged}" + (f"; {note}" if note else "")
             cells = (
                 f"`{record.question}`",
                 _date(data["date"]),
                 f"**{figure}**" if index == 0 else figure,
                 data["what"],
-                data.get("note", ""),
+                note,
                 data["commit"],
                 _machine(data["machine"]),
                 f"`{data['command']}`",
@@ -246,6 +294,14 @@ def render_measurements(results: dict[str, list[Record]]) -> str:
     for name in _order(results):
         lines.append(f"- [{TITLES.get(name, name)}](#{_anchor(TITLES.get(name, name))})")
     lines.append("")
+    flagged = regressions(results)
+    if flagged:
+        lines += [
+            f"**Regressions**: figures at least {REGRESSION_RATIO:g}x their previous run on "
+            "the same machine.",
+            "",
+        ]
+        lines += [f"- `{key}`: {why}" for key, why in flagged] + [""]
     for name in _order(results):
         lines += benchmark_section(name, results[name])
     return "\n".join(lines).rstrip() + "\n"
@@ -303,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     except RenderError as exc:
         print(f"render: {exc}", file=sys.stderr)
         return 2
+    for key, why in regressions(read_results(args.root)):
+        print(f"render: REGRESSION {key}: {why}", file=sys.stderr)
     stale = [path for path, text in files.items() if _read(args.root / path) != text]
     if args.check:
         for path in stale:

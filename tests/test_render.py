@@ -80,3 +80,20 @@ def test_readme_naming_an_unknown_question_fails(tmp_path: Path) -> None:
     result = render("--check", "--root", str(root))
     assert result.returncode == 2
     assert "no record of plan_time/nothing" in result.stderr
+
+
+def test_a_time_twice_its_previous_run_is_flagged(tmp_path: Path) -> None:
+    slower = dict(GOOD, figure=3.3, date="2026-12-07", commit="def5678")
+    other = dict(GOOD, question="tiny-4", figure=1.0)
+    a_bit_slower = dict(other, figure=1.9, date="2026-12-07")
+    lines = [json.dumps(r) for r in (GOOD, slower, other, a_bit_slower)]
+    root = make_root(tmp_path, lines)
+    result = render("--root", str(root))
+    assert result.returncode == 0
+    assert "REGRESSION plan_time/tiny-2x2: 2.2x its previous figure (1.5 s, abc1234)" in (
+        result.stderr
+    )
+    assert "tiny-4" not in result.stderr  # 1.9x: within a noisy machine's reach
+    measurements = (root / "docs" / "measurements.md").read_text()
+    assert "- `plan_time/tiny-2x2`: 2.2x its previous figure" in measurements
+    assert "| REGRESSION: 2.2x its previous figure (1.5 s, abc1234) |" in measurements
