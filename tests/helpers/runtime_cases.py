@@ -128,8 +128,9 @@ def _plan_and_apply(model_name: str, mesh, kind: str):
                 if model_name == "mlp"
                 else ("layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight")
             )
-            optimizer.add_node_constraint(params[column], (Replicate(), Shard(0)))
-            optimizer.add_node_constraint(params[row], (Replicate(), Shard(1)))
+            free = (Replicate(),) * (mesh.ndim - 1)  # tensor parallel over the last dim
+            optimizer.add_node_constraint(params[column], (*free, Shard(0)))
+            optimizer.add_node_constraint(params[row], (*free, Shard(1)))
         if kind == "gathered-heads":
             _gather_heads_before_transpose(autop.sharding_optimizer)
         if kind == "vocab-parallel":
