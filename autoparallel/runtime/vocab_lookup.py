@@ -52,9 +52,9 @@ def masked_lookup(weight: torch.Tensor, ids: torch.Tensor, held: RowRange) -> to
     is this rank's piece of the table), zeros for the others. Summed over the ranks that split
     the rows, the shares are the lookup. ``embedding``'s other arguments only shape its
     backward, which the joint graph holds as its own node."""
-    outside = (ids < held.start) | (ids >= held.start + held.rows)
     if held.rows == 0:  # an uneven split left this rank no rows
         return weight.new_zeros((*ids.shape, weight.shape[-1]))
+    outside = (ids < held.start) | (ids >= held.start + held.rows)
     local_ids = (ids - held.start).masked_fill(outside, 0)
     return aten.embedding.default(weight, local_ids).masked_fill(outside.unsqueeze(-1), 0)
 
