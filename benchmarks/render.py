@@ -336,9 +336,8 @@ def render_readme(text: str, results: dict[str, list[Record]]) -> str:
 # ---------------------------------------------------------------------------------- main
 
 
-def rendered(root: Path) -> dict[Path, str]:
+def rendered(root: Path, results: dict[str, list[Record]]) -> dict[Path, str]:
     """Each generated file (relative to ``root``) and what it should hold."""
-    results = read_results(root)
     return {
         MEASUREMENTS: render_measurements(results),
         README: render_readme((root / README).read_text(), results),
@@ -355,11 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=ROOT, help="the repository (default: this)")
     args = parser.parse_args(argv)
     try:
-        files = rendered(args.root)
+        results = read_results(args.root)
+        files = rendered(args.root, results)
     except RenderError as exc:
         print(f"render: {exc}", file=sys.stderr)
         return 2
-    for key, why in regressions(read_results(args.root)):
+    for key, why in regressions(results):
         print(f"render: REGRESSION {key}: {why}", file=sys.stderr)
     stale = [path for path, text in files.items() if _read(args.root / path) != text]
     if args.check:

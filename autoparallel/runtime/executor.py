@@ -44,7 +44,7 @@ from autoparallel.graph.fx_args import tensor_input_nodes
 from autoparallel.graph.layers import forward_layers, layer_members, layer_recompute
 from autoparallel.runtime.param_gathers import Gather, GatherPlan, ParameterGathers, plan_gather
 from autoparallel.runtime.shards import contiguous_strides, wrap_shard
-from autoparallel.runtime.vocab_lookup import held_rows, masked_dims, plain_partials, unmasked_ids
+from autoparallel.runtime.vocab_lookup import held_rows, masks_ids, plain_partials, unmasked_ids
 from autoparallel.trace.sharding_constraint import sharding_constraint_op
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import is_multi
@@ -133,7 +133,7 @@ class JointExecutor:
         routes = {a.slot: tuple(plain_partials(s) for s in a.route) for a in arguments if a.route}
         local_op = None
         ids = next((a for a in arguments if a.slot == 1), None)
-        if node.target is aten.embedding.default and ids is not None and masked_dims(ids.dst):
+        if node.target is aten.embedding.default and ids is not None and masks_ids(ids.dst):
             slots[1] = unmasked_ids(ids.dst)
             routes[1] = tuple(unmasked_ids(step) for step in ids.route)
             coordinate = self.mesh.get_coordinate()

@@ -59,10 +59,10 @@ def masked_lookup(weight: torch.Tensor, ids: torch.Tensor, held: RowRange) -> to
     return aten.embedding.default(weight, local_ids).masked_fill(outside.unsqueeze(-1), 0)
 
 
-def masked_dims(ids_placements: Sequence[Any] | None) -> tuple[int, ...]:
-    """The mesh dims on which a lookup's ids are marked ``_MaskPartial`` (none: not a
-    vocabulary-parallel lookup)."""
-    return tuple(dim for dim, p in enumerate(ids_placements or ()) if internals.is_mask_partial(p))
+def masks_ids(ids_placements: Sequence[Any] | None) -> bool:
+    """Whether a lookup's ids are marked ``_MaskPartial`` on some mesh dim: a
+    vocabulary-parallel lookup."""
+    return any(internals.is_mask_partial(p) for p in ids_placements or ())
 
 
 def held_rows(

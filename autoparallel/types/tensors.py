@@ -72,13 +72,7 @@ def local_shape_at(
 ) -> tuple[int, ...]:
     """The local shape of the rank at ``coordinate`` (uneven shards: ``torch.chunk`` pieces
     of ceil(size / n), so the last ranks may hold less), mesh dims applied in order."""
-    shape = list(int(s) for s in global_shape)
-    for mesh_size, placement, index in zip(mesh_shape, placements, coordinate):
-        if isinstance(placement, Shard):
-            dim = placement.dim % len(shape)
-            chunk = -(-shape[dim] // mesh_size)
-            shape[dim] = max(0, min(chunk, shape[dim] - chunk * index))
-    return tuple(shape)
+    return _local_piece(global_shape, placements, mesh_shape, coordinate)[1]
 
 
 def local_offset_at(
@@ -88,7 +82,18 @@ def local_offset_at(
     coordinate: Sequence[int],
 ) -> tuple[int, ...]:
     """Where the piece of the rank at ``coordinate`` starts in the global tensor, per tensor
-    dim: the offsets of :func:`local_shape_at`'s pieces, mesh dims applied in order."""
+    dim: the offsets of :func:`local_shape_at`'s pieces."""
+    return _local_piece(global_shape, placements, mesh_shape, coordinate)[0]
+
+
+def _local_piece(
+    global_shape: Sequence[int],
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of the rank's piece: each mesh dim that shards a tensor dim cuts the
+    piece left by the mesh dims before it into ``torch.chunk`` pieces."""
     shape = list(int(s) for s in global_shape)
     offset = [0] * len(shape)
     for mesh_size, placement, index in zip(mesh_shape, placements, coordinate):
@@ -98,7 +103,7 @@ def local_offset_at(
             start = min(chunk * index, shape[dim])
             offset[dim] += start
             shape[dim] = max(0, min(chunk, shape[dim] - start))
-    return tuple(offset)
+    return tuple(offset), tuple(shape)
 
 
 def local_info(
