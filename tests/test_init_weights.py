@@ -25,8 +25,11 @@ def _loss(output, batch):
     return output.float().pow(2).mean()
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
-def test_torchtitan_style_init_weights_gives_single_device_values(ranks, tied):
+# untied on a (2, 2) dp x tp mesh; tied on 2 ranks (the tie is what it adds)
+@pytest.mark.parametrize(
+    "tied,world_size", [(False, 4), (True, 2)], ids=["untied", "tied-embeddings"]
+)
+def test_torchtitan_style_init_weights_gives_single_device_values(ranks, tied, world_size):
     """The model's own init_weights on the FSDP-sharded parallel module (nn.init draws, a new
     full Parameter assigned, a write through .data[:], a recomputed rotary buffer with a second
     name, a submodule's load_state_dict) gives the single-device values from the same seed,
@@ -35,7 +38,7 @@ def test_torchtitan_style_init_weights_gives_single_device_values(ranks, tied):
     reference = reference_training(
         lambda: titan_reference(tied), titan_batches(), STEPS, LR, loss_fn=_loss
     )
-    results = ranks(4).run(init_and_train_titan, tied, timeout_s=600)
+    results = ranks(world_size).run(init_and_train_titan, tied, timeout_s=600)
     placements = results[0]["param_placements"]
     assert all("S(" in p for p in placements.values()), placements
     for result in results:
@@ -60,7 +63,10 @@ def parallel_titan(fake_mesh):
     return parallel
 
 
-def test_assigning_data_raises_with_what_to_do_instead(parallel_titan):
+def test_wrong_assignments_within_full_value_init_raise_with_what_to_do(parallel_titan):
+    """`.data = ...`, a tensor of another shape and a DTensor of another placement each
+    raise at once, naming the parameter and what to do instead (one plan for the four
+    cases: planning is the expensive part)."""
     with pytest.raises(
         InitError, match=r"output\.weight was assigned with `\.data = \.\.\.`.*copy_"
     ):
@@ -74,9 +80,6 @@ def test_assigning_data_raises_with_what_to_do_instead(parallel_titan):
     with pytest.raises(InitError, match=r"output\.weight was assigned with `\.data"):
         with full_value_init(parallel_titan):
             weight.data = zeros
-
-
-def test_assigning_a_tensor_of_another_shape_or_placement_raises(parallel_titan):
     wq = parallel_titan.layers["0"].attention.wq
     with pytest.raises(
         InitError, match=r"layers\.0\.attention\.wq\.weight: .*shape \(3, 3\).*planned"
@@ -91,8 +94,9 @@ def test_assigning_a_tensor_of_another_shape_or_placement_raises(parallel_titan)
             wq.weight = nn.Parameter(replicated)
 
 
-def test_a_full_value_assigned_outside_init_weights_is_sharded_in_place(parallel_titan):
-    """full_value_init around user code: the assigned value lands as the plan's shard."""
+def test_assignments_outside_init_weights(parallel_titan):
+    """full_value_init around user code: the assigned value lands as the plan's shard; a
+    `.data` write without it is caught by the next forward."""
     weight = parallel_titan.output.weight
     full = torch.arange(weight.numel(), dtype=torch.float32).view(weight.shape)
     with full_value_init(parallel_titan):
@@ -101,19 +105,16 @@ def test_a_full_value_assigned_outside_init_weights_is_sharded_in_place(parallel
     expected = distribute_tensor(full, weight.device_mesh, weight.placements, src_data_rank=None)
     assert torch.equal(weight.to_local(), expected.to_local())
 
+    weight.data = torch.zeros(weight.shape)
+    tokens = torch.zeros(4, 32, dtype=torch.long)  # the local rows of the planned batch
+    with pytest.raises(InitError, match=r"output\.weight was assigned with `\.data"):
+        parallel_titan(tokens)
+
 
 def test_full_value_init_names_what_it_expects():
     with pytest.raises(TypeError, match="expects a parallel module"):
         with full_value_init(nn.Linear(2, 2)):
             pass
-
-
-def test_assigning_data_outside_init_is_caught_by_the_forward(parallel_titan):
-    weight = parallel_titan.output.weight
-    weight.data = torch.zeros(weight.shape)
-    tokens = torch.zeros(4, 32, dtype=torch.long)  # the local rows of the planned batch
-    with pytest.raises(InitError, match=r"output\.weight was assigned with `\.data"):
-        parallel_titan(tokens)
 
 
 def test_hugging_face_init_weights_on_the_parallel_module_equals_one_device(fake_mesh):

@@ -1,5 +1,5 @@
 """Per-rank bodies of the Hugging Face training tests: families from transformers as they
-come, planned on a (2, 2) gloo mesh and trained against the single-device model."""
+come, planned on a gloo mesh and trained against the single-device model."""
 
 from __future__ import annotations
 
@@ -19,11 +19,18 @@ from autoparallel.types.placements import placement_str
 from helpers.runtime_cases import LR, STEPS, _attention_output, _learn_from, _local_rows
 
 
+def _mesh_of(world_size: int) -> Any:
+    if world_size == 4:
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+
+
 def train_hf_family(
     rank: int, world_size: int, name: str, padded: bool = False, heads_sharded: bool = False
 ) -> dict[str, Any]:
     """A Hugging Face family as it comes (dropout off), built on CPU from seed 0 on every
-    rank, planned on a (2, 2) gloo mesh with every input and output split by rows over dp,
+    rank, planned on a gloo mesh of the ranks ((2, 2) as dp x tp for 4, else 1-D dp) with
+    every input and output split by rows over dp,
     trained STEPS AdamW steps on the loss of its logits. Returns what ``train`` returns.
 
     ``padded``: a causal LM gets a padding mask too; ``heads_sharded``: every attention
@@ -35,11 +42,11 @@ def train_hf_family(
     )
 
     family = hf_family(name)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = _mesh_of(world_size)
     torch.manual_seed(0)
     model = build_hf_family(family, "cpu", **NO_DROPOUT)
     batches = hf_family_batches(name, padded)
-    rows = (Shard(0), Replicate())
+    rows = (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
     with AutoParallel(model, lambda: batches[0], mesh, hardware="cpu") as autop:
         autop.add_input_constraints([rows] * len(batches[0]))
         outputs = [o for o in autop.sharding_optimizer.problem.joint.user_outputs if o is not None]

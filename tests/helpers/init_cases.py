@@ -50,9 +50,10 @@ def plan_titan(model: torch.nn.Module, mesh: Any, example: torch.Tensor) -> tupl
 
 
 def init_and_train_titan(rank: int, world_size: int, tied: bool) -> dict[str, Any]:
-    """Meta model -> plan on a (2, 2) gloo mesh -> to_empty -> an optimizer -> the model's
-    own init_weights() from the global seed -> STEPS AdamW steps."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    """Meta model -> plan on a gloo mesh ((2, 2) dp x tp on 4 ranks) -> to_empty -> an
+    optimizer -> the model's own init_weights() from the global seed -> STEPS AdamW steps."""
+    shape, names = ((2, 2), ("dp", "tp")) if world_size == 4 else ((world_size,), ("dp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     batches = titan_batches()
     with torch.device("meta"):
         model = TitanLlama(titan_args(tied))

@@ -560,7 +560,7 @@ def check_parallel_training(
         experts = {name: p for name, p in placements.items() if ".experts." in name}
         assert experts and all(p.endswith("S(0)") for p in experts.values()), experts
         # the tokens are free over dp: split with the batch, or pinned replicated there
-        layout = "(S(0)S(0))" if kind == "expert-parallel" else "(RS(0))"
+        layout = "(" + "S(0)" * len(shape) + ")" if kind == "expert-parallel" else "(RS(0))"
         assert set(rank0["region_layouts"]) == {layout}, rank0["region_layouts"]
     else:
         assert any(p.endswith("S(0)") or p.endswith("S(1)") for p in placements.values()), (
