@@ -23,7 +23,9 @@ from autoparallel.runtime.shutdown import shutdown_distributed
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.trace.errors import TraceError
 from autoparallel.trace.sharding_constraint import with_sharding_constraint
+from autoparallel.runtime.pipeline import ParallelPipeline
 from autoparallel.types.memory import MemoryEstimate
+from autoparallel.types.pipeline import PipelineConfig, PipelineError, PipelinePlan
 from autoparallel.types.plan import Plan
 
 __all__ = [
@@ -55,6 +57,10 @@ __all__ = [
     "full_value_init",
     "Plan",
     "MemoryEstimate",
+    "ParallelPipeline",
+    "PipelineConfig",
+    "PipelinePlan",
+    "PipelineError",
     "InfeasibleConstraintsError",
     "TraceError",
     "Hardware",

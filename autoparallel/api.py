@@ -28,12 +28,21 @@ from autoparallel.problem.build import build_problem
 from autoparallel.problem.constraints import reduction_dtype_constraints, sharding_constraints
 from autoparallel.problem.folding import find_repeated_nodes
 from autoparallel.runtime.module import apply_placement
+from autoparallel.runtime.pipeline import ParallelPipeline
 from autoparallel.solver.highs import SolverOptions
+from autoparallel.stage_setup import (
+    StageSetup,
+    boundary_placements,
+    pipeline_mesh_dims,
+    set_up_stage,
+    without_pipeline_dim,
+)
 from autoparallel.strategies.space import build_strategy_space
 from autoparallel.trace.export import trace_device, trace_joint
 from autoparallel.trace.mixed_precision import check_policy
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.kinds import ActivationCheckpointing
+from autoparallel.types.pipeline import PipelineConfig, PipelineError, ScheduleName
 from autoparallel.types.placements import check_shard_dims, validate_placements
 from autoparallel.types.plan import Plan
 
@@ -68,6 +77,11 @@ class AutoParallel:
             (see trace/repeated_layers.py, trace/layer_stamping.py); False traces every layer.
         dynamic: the parallel module also accepts inputs of other sizes than ``input_fn()``'s,
             without planning again, when the plan divides them (see runtime/dynamic.py).
+
+    A mesh whose first dim is named ``pp`` runs the model as pipeline stages cut at its
+    layer stack: each rank plans its own stage on the other dims, and
+    :meth:`apply_placement` returns a :class:`ParallelPipeline` (see stage_setup.py and
+    :meth:`add_pipeline_constraint`).
 
     An argument of the wrong type or out of range (a model that is not a module, a mesh that
     is not a DeviceMesh, a flag that is not a bool, a time limit that is not positive, an
@@ -112,6 +126,12 @@ class AutoParallel:
         self.mesh = mesh
         self.mp_policy = check_policy(mp_policy)
         self.topology = Topology.from_mesh(mesh, hardware=hardware, gpus_per_node=gpus_per_node)
+        # with a "pp" dim, model, input_fn, mesh and topology become this rank's stage's
+        # in __enter__; the whole model's are kept here
+        self._whole = (model, input_fn, mesh, hardware, gpus_per_node)
+        self.pipeline_config = PipelineConfig() if pipeline_mesh_dims(mesh) else None
+        self.stage_setup: StageSetup | None = None
+        self._entered_constraints: set[str] = set()
         self.solver_options = SolverOptions(time_limit_s=time_limit_s, relative_gap=relative_gap)
         self.fold = fold
         self.trace_layers_once = trace_layers_once
@@ -123,6 +143,10 @@ class AutoParallel:
     # ------------------------------------------------------------------ context manager
 
     def __enter__(self) -> AutoParallel:
+        # 0. Pipeline stages (a "pp" mesh dim only): cut the model and plan this rank's
+        #    stage, on the mesh without pp, from here on (stage_setup.py).
+        if self.pipeline_config is not None:
+            self._take_stage()
         # 1. Trace: the joint forward+backward graph on fake tensors, with the roles of its
         #    boundary. Everything later reads this graph; nothing later re-traces.
         device = trace_device(self.mesh.device_type)
@@ -160,10 +184,43 @@ class AutoParallel:
         # 7. The facade the user constrains and solves through (solving waits for
         #    optimize_placement, so constraints can still be added).
         self._optimizer = ShardingOptimizer(problem, self.mesh.mesh_dim_names, self.solver_options)
+        # 8. Pipeline stages: the tensors crossing a cut keep the layout the next stage
+        #    expects (stage_setup.py), whatever else the user constrains.
+        if self.stage_setup is not None:
+            self._pin_cuts()
+        self._entered_constraints = set(self._optimizer.constraints())
         return self
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+    def _take_stage(self) -> None:
+        model, input_fn, mesh, hardware, gpus_per_node = self._whole
+        self.stage_setup = set_up_stage(model, input_fn(), mesh, self.pipeline_config)
+        self.model = self.stage_setup.stage.module
+        self.input_fn = self.stage_setup.input_fn
+        self.mesh = self.stage_setup.mesh
+        self.topology = Topology.from_mesh(
+            self.mesh, hardware=hardware, gpus_per_node=gpus_per_node
+        )
+        logger.info(
+            "pipeline: %s; this rank plans stage %d (%s) on %s",
+            self.stage_setup.pipeline_plan().describe(),
+            self.stage_setup.stage.index,
+            ", ".join(self.stage_setup.stage.layers),
+            self.mesh.mesh_dim_names,
+        )
+
+    def _pin_cuts(self) -> None:
+        setup, joint = self.stage_setup, self.sharding_optimizer.problem.joint
+        if not setup.is_first:
+            pinned = boundary_placements(setup, list(setup.stage.example_inputs), self.mesh.ndim)
+            self._add_boundary_constraints(pinned, joint.user_inputs, "input")
+        if not setup.is_last:
+            values = [None if o is None else o.meta["val"] for o in joint.user_outputs]
+            pinned = boundary_placements(setup, values, self.mesh.ndim)
+            nodes = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
+            self._add_boundary_constraints(pinned, nodes, "output")
 
     def _timed(self, stage: str, work: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -182,8 +239,47 @@ class AutoParallel:
             )
         return self._optimizer
 
+    def add_pipeline_constraint(
+        self,
+        schedule: ScheduleName | None = None,
+        microbatches: int | None = None,
+        stage_layers: tuple[int, ...] | None = None,
+    ) -> str:
+        """With a "pp" mesh dim: fix the schedule ("gpipe" or "1f1b"), the microbatches per
+        step, and/or how many layers of the layer stack each stage runs (see
+        :class:`PipelineConfig`). Call it before any other constraint: the stages are cut
+        and traced again. Raises PipelineError for a mesh without "pp", a setting that cannot
+        run (more stages than layers, microbatches that do not divide the local batch), or
+        constraints already added."""
+        if self.pipeline_config is None:
+            raise PipelineError(
+                "add_pipeline_constraint needs a mesh whose first dim is named 'pp'"
+            )
+        added = sorted(set(self.sharding_optimizer.constraints()) - self._entered_constraints)
+        if added:
+            raise PipelineError(
+                "add_pipeline_constraint must come before the other constraints (the stages "
+                f"are traced again); already added: {', '.join(added)}"
+            )
+        current = self.pipeline_config
+        self.pipeline_config = PipelineConfig(
+            schedule if schedule is not None else current.schedule,
+            microbatches if microbatches is not None else current.microbatches,
+            tuple(stage_layers) if stage_layers is not None else current.stage_layers,
+        )
+        self.__enter__()
+        return f"pipeline: {self.stage_setup.pipeline_plan().describe()}"
+
     def add_input_constraints(self, constraints: Sequence[Sequence | None]) -> list[str]:
-        """One placement tuple per user-input tensor leaf (None leaves that input free)."""
+        """One placement tuple per user-input tensor leaf (None leaves that input free).
+
+        With a "pp" mesh dim the tuples are written on the whole mesh, Replicate() on pp;
+        they bind the first stage (the others take the hidden states as the cut pins them).
+        """
+        if self.stage_setup is not None:
+            constraints = without_pipeline_dim(constraints, "input")
+            if not self.stage_setup.is_first:
+                return []
         joint = self.sharding_optimizer.problem.joint
         return self._add_boundary_constraints(constraints, joint.user_inputs, "input")
 
@@ -191,8 +287,13 @@ class AutoParallel:
         """One placement tuple per user-output tensor leaf (None leaves that output free).
 
         A user output leaves the graph in the placement of its incoming gradient (tangent),
-        so the constraint is placed on the tangent when there is one.
+        so the constraint is placed on the tangent when there is one. With a "pp" mesh dim
+        the tuples are written on the whole mesh and bind the last stage.
         """
+        if self.stage_setup is not None:
+            constraints = without_pipeline_dim(constraints, "output")
+            if not self.stage_setup.is_last:
+                return []
         joint = self.sharding_optimizer.problem.joint
         nodes = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
         return self._add_boundary_constraints(constraints, nodes, "output")
@@ -251,6 +352,8 @@ class AutoParallel:
                 else optimizer.adopt(shared[0], verbose=verbose)
             )
         self.stage_times_s["solve"] = time.perf_counter() - start
+        if self.stage_setup is not None:
+            plan.pipeline = self.stage_setup.pipeline_plan()
         return plan
 
     def save_placements(self, path: str, plan: Plan | None = None) -> None:
@@ -277,9 +380,17 @@ class AutoParallel:
         return names
 
     def apply_placement(
-        self, plan: Plan | None = None, collective_timeout: float | timedelta | None = None
-    ) -> nn.Module:
+        self,
+        plan: Plan | None = None,
+        collective_timeout: float | timedelta | None = None,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
+    ) -> nn.Module | ParallelPipeline:
         """The parallel module for ``plan`` (default: the last solution); see runtime/module.py.
+
+        With a "pp" mesh dim: this rank's stage's parallel module inside a
+        torch.distributed.pipelining schedule (:class:`ParallelPipeline`, trained with
+        ``pipe.step(inputs, target=targets, losses=losses)``), whose last stage calls
+        ``loss_fn(output, target)`` per microbatch (required there; see runtime/pipeline.py).
 
         ``collective_timeout`` (seconds or a timedelta): the longest any later collective on
         the mesh's process groups waits for a peer (``ProcessGroup.set_timeout`` on each; None
@@ -303,7 +414,11 @@ class AutoParallel:
             collective_timeout=collective_timeout,
         )
         self.stage_times_s["apply"] = time.perf_counter() - start
-        return module
+        if self.stage_setup is None:
+            return module
+        return ParallelPipeline(
+            module, self.stage_setup.pipeline_plan(), self.stage_setup.pp_mesh, loss_fn
+        )
 
     def _add_boundary_constraints(self, constraints: Sequence, nodes: list, what: str) -> list[str]:
         if not isinstance(constraints, (list, tuple)):

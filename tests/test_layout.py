@@ -20,8 +20,17 @@ PIPELINE = ("trace", "graph", "strategies", "cost", "problem", "solver", "runtim
 MAX_LINES = 600
 # modules that may sit at the package's top level: orchestration, the facade above the
 # solver, the questions that need a Problem, and the wrapper of torch's private APIs
-# orchestration above the stages: AutoParallel, the optimizer facade, explain, the mesh search
-TOP_LEVEL = {"__init__", "api", "optimizer", "explain", "mesh_search", "_torch_internals"}
+# orchestration above the stages: AutoParallel, the optimizer facade, explain, the mesh search,
+# the pipeline stages' setup
+TOP_LEVEL = {
+    "__init__",
+    "api",
+    "optimizer",
+    "explain",
+    "mesh_search",
+    "stage_setup",
+    "_torch_internals",
+}
 
 
 def _module_name(path: Path) -> str:

@@ -185,6 +185,21 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "overlaps": _overlaps(plan),
         "memory": _memory(plan),
         "fallbacks": list(plan.fallbacks),
+        "pipeline": _pipeline(plan),
+    }
+
+
+def _pipeline(plan: Plan) -> dict[str, Any] | None:
+    """With a "pp" mesh dim: the schedule, microbatches, every stage's layers, and which
+    stage this plan's placements are of (its mesh is the mesh without pp)."""
+    pipeline = plan.pipeline
+    if pipeline is None:
+        return None
+    return {
+        "schedule": pipeline.schedule,
+        "microbatches": pipeline.microbatches,
+        "stages": [list(layers) for layers in pipeline.stages],
+        "stage_index": pipeline.stage_index,
     }
 
 

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from autoparallel.types.kinds import BucketKind, EdgeKind, NodePhase, Phase, SolverMethod
 from autoparallel.types.memory import MemoryEstimate
+from autoparallel.types.pipeline import PipelinePlan
 from autoparallel.types.placements import OutputPlacements, Placements
 from autoparallel.types.strategies import Strategy
 
@@ -163,6 +164,9 @@ class Plan:
     # numbered layers (``"layers.3"``) whose forward the backward recomputes instead of
     # keeping its activations (activation checkpointing, graph/layers.py)
     recompute: tuple[str, ...] = ()
+    # with a "pp" mesh dim: the schedule, microbatches and stages (this plan is the
+    # placements of ``pipeline.stage_index``'s stage on the mesh's other dims)
+    pipeline: PipelinePlan | None = None
 
     def redistributions(self) -> list[tuple[str, ArgumentCost]]:
         """Every (consumer node name, argument) where a collective or local reshard happens."""

@@ -1,0 +1,104 @@
+"""This rank's part of a pipelined model: its stage's parallel module inside one of
+torch.distributed.pipelining's schedules.
+
+torch's ``PipelineStage`` runs the stage module per microbatch, sends and receives the
+activations and their gradients over the ``pp`` group, and calls autograd on the stage's
+outputs; the schedule (``ScheduleGPipe``, ``Schedule1F1B``) orders the microbatches. The stage
+module is the planner's parallel module of that stage: it takes and returns local tensors
+(the layouts pinned at the cuts, stage_setup.py) and reduces its own gradients over the other
+mesh dims in its backward, so nothing here communicates by itself.
+
+Loss: the schedule calls ``loss_fn(output, target)`` per microbatch on the last stage with
+that microbatch's local output and target rows; the gradients are those of the mean of the
+microbatches' losses (the schedule scales them by ``1 / microbatches``), summed over the ranks
+that split the rows, as for the parallel module without stages (divide by the number of
+row-splitting ranks for a mean over the whole batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoparallel.types.pipeline import PipelineError, PipelinePlan
+
+
+class ParallelPipeline:
+    """This rank's stage of the pipelined model and the schedule that runs it.
+
+    ``module`` is the stage's parallel module (its parameters and state dict under the
+    model's own names: ``layers.3.attention.wq.weight``); build the optimizer from
+    :meth:`parameters`. Every rank calls :meth:`step` with the same arguments; the first
+    stage reads the inputs, the last the targets and the losses list.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        pipeline: PipelinePlan,
+        pp_mesh: DeviceMesh,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if not callable(loss_fn):
+            raise PipelineError(
+                "a plan with pipeline stages needs loss_fn(output, target) -> loss: pass "
+                "apply_placement(plan, loss_fn=...)"
+            )
+        self.module = module
+        self.pipeline = pipeline
+        device = torch.device(pp_mesh.device_type)
+        self.stage = PipelineStage(
+            module,
+            pipeline.stage_index,
+            pipeline.num_stages,
+            device,
+            group=pp_mesh.get_group(),
+        )
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[pipeline.schedule]
+        self.schedule = schedule_class(
+            self.stage, n_microbatches=pipeline.microbatches, loss_fn=loss_fn
+        )
+
+    @property
+    def is_first(self) -> bool:
+        return self.pipeline.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pipeline.stage_index == self.pipeline.num_stages - 1
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def step(
+        self,
+        *inputs: Any,
+        target: torch.Tensor | None = None,
+        losses: list[torch.Tensor] | None = None,
+    ) -> Any:
+        """One forward and backward of this rank's local batch, cut into the plan's
+        microbatches (gradients accumulate in ``.grad``; step the optimizer after). Returns
+        the last stage's output (None on the others); ``losses`` receives the last stage's
+        loss per microbatch."""
+        if self.is_last and target is None:
+            raise PipelineError("the last stage computes the loss: pass step(..., target=...)")
+        return self.schedule.step(
+            *(inputs if self.is_first else ()),
+            target=target if self.is_last else None,
+            losses=losses if self.is_last else None,
+        )
+
+    def __repr__(self) -> str:
+        return f"ParallelPipeline({self.pipeline.describe()}; this rank: stage {self.pipeline.stage_index})"

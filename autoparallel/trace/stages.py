@@ -1,0 +1,199 @@
+"""Cut a model into pipeline stages at the boundaries of its layer stack.
+
+torch.distributed.pipelining's ``pipeline`` traces the model once (torch.export, on the
+model's own device: meta is fine) and splits the traced program before the layers named in
+its split spec; each stage is then a GraphModule that owns its parameters under their
+original names (``layers.3.attention.wq.weight``), so state dicts, plans and checkpoints keep
+the model's vocabulary. What flows between stages is whatever the program passes across the
+cut (the hidden states, and e.g. the rotary tables a LLaMA slices once in its forward); the
+placeholders of each stage carry their shapes, which become that stage's example inputs.
+
+Contract: ``split_stages`` returns one :class:`StageModule` per stage, in order; the first
+takes the model's inputs, the last returns the model's outputs; every other input of a stage
+is an output of the stage before it, in the order of the stage's placeholders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autoparallel.types.pipeline import PipelineError
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """The model's stack of layers: the container's path and its children's keys."""
+
+    path: str
+    keys: tuple[str, ...]
+
+    def names(self, start: int, stop: int) -> tuple[str, ...]:
+        return tuple(f"{self.path}.{key}" for key in self.keys[start:stop])
+
+
+@dataclass(frozen=True)
+class StageModule:
+    """One stage: the module that runs it, the layers it holds and example inputs for a
+    microbatch (meta tensors of the stage's input shapes; floating ones of a stage after
+    the first require grad, since their gradients go back to the stage before)."""
+
+    index: int
+    module: nn.Module
+    layers: tuple[str, ...]
+    example_inputs: tuple[torch.Tensor, ...]
+
+
+def find_layer_stack(model: nn.Module) -> LayerStack:
+    """The outermost ``ModuleList``/``ModuleDict`` of at least two children of one class
+    (the longest where there are several): the stack the stages are cut from."""
+    best: LayerStack | None = None
+    for path, container in model.named_modules():
+        if not path or not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        if best is not None and path.startswith(best.path + "."):
+            continue
+        children = list(container.named_children())
+        if len(children) < 2 or len({type(child) for _, child in children}) > 1:
+            continue
+        if best is None or len(children) > len(best.keys):
+            best = LayerStack(path, tuple(key for key, _ in children))
+    if best is None:
+        raise PipelineError(
+            f"{type(model).__name__} has no stack of layers (a ModuleList or ModuleDict of "
+            "modules of one class) to cut into pipeline stages; plan it without a 'pp' mesh dim"
+        )
+    return best
+
+
+def stage_layer_counts(
+    num_layers: int, num_stages: int, fixed: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """Layers per stage: ``fixed`` when given (checked), else as even as possible with the
+    earlier stages taking the remainder."""
+    if num_stages > num_layers:
+        raise PipelineError(
+            f"the 'pp' mesh dim asks for {num_stages} stages but the model's stack has "
+            f"{num_layers} layers: use at most {num_layers} stages"
+        )
+    if fixed is not None:
+        if len(fixed) != num_stages or sum(fixed) != num_layers:
+            raise PipelineError(
+                f"stage_layers {fixed} must give one count per stage ({num_stages}) summing to "
+                f"the stack's {num_layers} layers"
+            )
+        return fixed
+    base, extra = divmod(num_layers, num_stages)
+    return tuple(base + (1 if i < extra else 0) for i in range(num_stages))
+
+
+def split_stages(
+    model: nn.Module,
+    microbatch_args: tuple[Any, ...],
+    microbatch_kwargs: dict[str, Any],
+    num_stages: int,
+    stage_layers: tuple[int, ...] | None = None,
+) -> list[StageModule]:
+    """Cut ``model`` into ``num_stages`` stages (see the module docstring); the example
+    microbatch gives the shapes the stages are traced with."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    stack = find_layer_stack(model)
+    counts = stage_layer_counts(len(stack.keys), num_stages, stage_layers)
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    split_spec = {f"{stack.path}.{stack.keys[s]}": SplitPoint.BEGINNING for s in starts[1:]}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    args = tuple(_zeros_like(a, device) for a in microbatch_args)
+    kwargs = {k: _zeros_like(v, device) for k, v in microbatch_kwargs.items()}
+    try:
+        with _forwards_restored(model, list(split_spec)):
+            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
+    except Exception as error:  # torch.export's own errors, long and deep
+        raise PipelineError(
+            f"torch.distributed.pipelining could not trace {type(model).__name__} to cut it "
+            f"into {num_stages} stages: {type(error).__name__}: {str(error).splitlines()[0]}"
+        ) from error
+    if pipe.num_stages != num_stages:
+        raise PipelineError(
+            f"cutting before {', '.join(split_spec)} gave {pipe.num_stages} stages, not "
+            f"{num_stages}: does the forward call every layer of `{stack.path}` in order?"
+        )
+    stages = []
+    for index, start in enumerate(starts):
+        module = pipe.get_stage_module(index)
+        _drop_device_checks(module)
+        examples = _placeholder_examples(module, needs_grads=index > 0)
+        stages.append(
+            StageModule(index, module, stack.names(start, start + counts[index]), examples)
+        )
+    return stages
+
+
+@contextlib.contextmanager
+def _forwards_restored(model: nn.Module, names: list[str]) -> Iterator[None]:
+    """``pipeline`` marks its cuts by replacing the ``forward`` of the modules named in the
+    split spec on the user's model, in place, and leaves them so (a second split of the
+    model then recurses without end); put them back as they were."""
+    modules = [model.get_submodule(name) for name in names]
+    saved = [(m, m.__dict__.get("forward"), "_orig_forward" in m.__dict__) for m in modules]
+    try:
+        yield
+    finally:
+        for module, forward, had_original in saved:
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
+            if not had_original:
+                module.__dict__.pop("_orig_forward", None)
+
+
+def _drop_device_checks(stage: nn.Module) -> None:
+    """torch.export checks the device and dtype of a ``.to()``/``.float()`` result against the
+    trace's (``aten._assert_tensor_metadata``): a model cut on the meta device would then
+    refuse to run anywhere else, and planning traces the stage again on fake tensors of the
+    mesh's device. The values are computed as before without the checks."""
+    check = torch.ops.aten._assert_tensor_metadata.default
+    for module in stage.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        checks = [n for n in graph.nodes if n.op == "call_function" and n.target is check]
+        for node in checks:
+            graph.erase_node(node)
+        if not checks:
+            continue
+        if isinstance(module, fx.GraphModule):
+            module.recompile()
+        generated = module.__dict__.get("graph_module")  # an unflattened InterpreterModule's
+        if isinstance(generated, fx.GraphModule):
+            generated.recompile()
+
+
+def _zeros_like(value: Any, device: Any) -> Any:
+    """A stand-in of ``value`` for tracing (only its shape and dtype are read)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.zeros(value.shape, dtype=value.dtype, device=device)
+
+
+def _placeholder_examples(module: nn.Module, needs_grads: bool) -> tuple[torch.Tensor, ...]:
+    examples = []
+    for node in module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            raise PipelineError(
+                f"stage input `{node.name}` is a {type(value).__name__}, not a tensor: only "
+                "tensors can flow between pipeline stages"
+            )
+        example = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        examples.append(example.requires_grad_(needs_grads and value.dtype.is_floating_point))
+    return tuple(examples)

@@ -1,0 +1,90 @@
+"""Pipeline parallelism's plain data: what the user may fix and what a plan with stages holds.
+
+A mesh dim named ``pp`` runs the model as that many stages, one per coordinate of the dim,
+each split at the boundaries of the model's layer stack and planned on the other mesh dims
+(trace/stages.py splits, runtime/pipeline.py runs the stages with
+torch.distributed.pipelining's schedules)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+PIPELINE_DIM = "pp"
+"""The mesh dim name that makes the model run as pipeline stages."""
+
+ScheduleName = Literal["gpipe", "1f1b"]
+"""torch.distributed.pipelining's ``ScheduleGPipe`` and ``Schedule1F1B``."""
+
+SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+
+
+class PipelineError(ValueError):
+    """A pipeline setting that cannot run: more stages than layers, microbatches that do not
+    divide the batch, an unknown schedule, a pp dim that is not the mesh's first."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What the user fixed with ``add_pipeline_constraint`` (None: the default below).
+
+    schedule: "1f1b" by default (one microbatch's activations in flight per stage ahead of
+        its backward, where GPipe keeps all of them).
+    microbatches: how many pieces each rank's batch is cut into; by default as many as there
+        are stages (each must then divide the local batch).
+    stage_layers: how many layers of the model's layer stack each stage runs, first stage
+        first (they sum to the stack's length); by default as even as possible, earlier
+        stages taking the remainder. The embedding goes with the first stage, everything
+        after the stack with the last.
+    """
+
+    schedule: ScheduleName = "1f1b"
+    microbatches: int | None = None
+    stage_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PipelineError(
+                f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+            )
+        if self.microbatches is not None and (
+            not isinstance(self.microbatches, int)
+            or isinstance(self.microbatches, bool)
+            or self.microbatches < 1
+        ):
+            raise PipelineError(f"microbatches must be a positive int, got {self.microbatches!r}")
+        if self.stage_layers is not None and (
+            not isinstance(self.stage_layers, tuple)
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in self.stage_layers)
+            or any(n < 1 for n in self.stage_layers)
+        ):
+            raise PipelineError(
+                f"stage_layers must be a tuple of positive ints (layers per stage), "
+                f"got {self.stage_layers!r}"
+            )
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline of a plan: the schedule, the microbatches, and which layers each stage
+    runs (``stages[i]``: the layer-stack entries of stage ``i``, e.g. ``("layers.0",
+    "layers.1")``). ``stage_index`` is the stage this rank runs; the plan beside this holds
+    that stage's placements on the mesh's other dims."""
+
+    schedule: ScheduleName
+    microbatches: int
+    stages: tuple[tuple[str, ...], ...]
+    stage_index: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def describe(self) -> str:
+        spans = ", ".join(
+            f"stage {i}: {layers[0]}..{layers[-1]}"
+            if len(layers) > 1
+            else f"stage {i}: {layers[0]}"
+            for i, layers in enumerate(self.stages)
+        )
+        return f"{self.schedule}, {self.microbatches} microbatches, {spans}"

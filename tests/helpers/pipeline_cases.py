@@ -1,0 +1,90 @@
+"""Per-rank body of the pipeline checks (tests/test_pipeline.py): the tiny LLaMA cut into 2
+stages over "pp", each stage planned on "dp", trained by torch.distributed.pipelining's
+schedule, against the same steps on one device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from autoparallel import AutoParallel
+from autoparallel._testing.harness import full_grads, full_params
+from autoparallel.models import Llama, llama_config
+
+CONFIG = llama_config("tiny")
+BATCH, SEQ, STEPS, LR = 8, 32, 2, 1e-3
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=generator),
+            torch.randn(BATCH, SEQ, CONFIG.vocab_size, generator=generator),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _model() -> Llama:
+    model = Llama(CONFIG)
+    model.init_weights(seed=0)
+    return model
+
+
+def reference() -> dict[str, Any]:
+    """STEPS AdamW steps of the whole batch's mean squared error on one device."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step, (tokens, target) in enumerate(batches()):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(tokens), target)
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def train_pipelined(rank: int, world_size: int, schedule: str, microbatches: int) -> dict[str, Any]:
+    """Plan on a (2, world_size // 2) pp x dp gloo mesh with the schedule and microbatches
+    fixed, then STEPS AdamW steps with ``pipe.step``: this rank's stage's losses per step
+    (last stage only), its gradients of step 0, its parameters after."""
+    dp = world_size // 2
+    mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp"))
+    rows = (Replicate(), Shard(0))  # whole microbatches between stages, rows split over dp
+    all_batches = batches()
+    with AutoParallel(_model(), lambda: all_batches[0][0], mesh, hardware="cpu") as autop:
+        autop.add_pipeline_constraint(schedule=schedule, microbatches=microbatches)
+        autop.add_input_constraints([rows])
+        autop.add_output_constraints([rows])
+        plan = autop.optimize_placement()
+        # each dp rank's loss counts 1/dp of the batch's mean: the gradients sum over dp
+        pipe = autop.apply_placement(plan, loss_fn=lambda out, tgt: F.mse_loss(out, tgt) / dp)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    row = mesh.get_local_rank("dp")
+    losses, grads = [], {}
+    for step, (tokens, target) in enumerate(all_batches):
+        optimizer.zero_grad()
+        step_losses: list[torch.Tensor] = []
+        pipe.step(tokens.chunk(dp)[row], target=target.chunk(dp)[row], losses=step_losses)
+        if step == 0:
+            grads = full_grads(pipe.module)
+        optimizer.step()
+        if step_losses:  # the mean over the microbatches of this rank's rows
+            losses.append(float(torch.stack(step_losses).mean()))
+    return {
+        "stage": plan.pipeline.stage_index,
+        "stages": plan.pipeline.stages,
+        "losses": losses,
+        "grads": grads,
+        "params": full_params(pipe.module),
+        "input_placements": [str(p) for p in plan.input_placements],
+    }

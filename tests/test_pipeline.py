@@ -1,0 +1,116 @@
+"""Pipeline parallelism: a "pp" mesh dim cuts the model at its layer stack, each rank plans
+its stage on the other dims, torch.distributed.pipelining's schedule runs the stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.pipeline_cases import CONFIG, reference, train_pipelined
+from helpers.runtime_cases import TOLERANCE
+from torch.distributed.tensor import Replicate, Shard
+
+from autoparallel import AutoParallel
+from autoparallel.files.plan_json import plan_json
+from autoparallel.models import Llama
+from autoparallel.trace.stages import find_layer_stack, split_stages, stage_layer_counts
+from autoparallel.types.pipeline import PipelineConfig, PipelineError
+
+
+def test_pipelined_training_equals_one_device(ranks):
+    """2 stages (pp) x 2 ranks splitting the rows (dp), 1F1B over 2 microbatches: the
+    losses, the gradients of the first step and the parameters after two AdamW steps equal
+    the single-device run."""
+    expected = reference()
+    results = ranks(4).run(train_pipelined, "1f1b", 2, timeout_s=600)
+    dp = 2
+    assert [r["stage"] for r in results] == [0] * dp + [1] * dp  # pp is the outer dim
+    assert results[0]["stages"] == (("layers.0",), ("layers.1",))
+    last = [r for r in results if r["stage"] == 1]
+    # the step's loss: the dp ranks' losses (each 1/dp of the mean) summed
+    losses = [sum(r["losses"][step] for r in last) for step in range(len(expected["losses"]))]
+    assert losses == pytest.approx(expected["losses"], abs=TOLERANCE)
+    # the first stage holds the embedding and layer 0, the last layer 1, the norm and head
+    assert set(results[0]["params"]) == {n for n in expected["params"] if ".1." not in n} - {
+        "norm.weight",
+        "output.weight",
+    }
+    for result in results:
+        for name, value in result["params"].items():
+            assert torch.allclose(value, expected["params"][name], atol=TOLERANCE), name
+            assert torch.allclose(result["grads"][name], expected["grads"][name], atol=TOLERANCE)
+    # the cut's hidden states split by rows over dp on both sides
+    assert "Shard(dim=0)" in last[0]["input_placements"][0]
+
+
+def test_stages_are_cut_at_the_layer_stack_and_the_model_is_left_as_it_was():
+    with torch.device("meta"):
+        model = Llama(CONFIG)
+    assert find_layer_stack(model).keys == ("0", "1")
+    tokens = torch.zeros(4, 32, dtype=torch.long)
+    for _ in range(2):  # a second cut of the same model works: torch's marks were removed
+        stages = split_stages(model, (tokens,), {}, 2)
+    assert [s.layers for s in stages] == [("layers.0",), ("layers.1",)]
+    assert all("forward" not in layer.__dict__ for layer in model.layers)
+    hidden, cos, sin = stages[1].example_inputs
+    assert hidden.shape == (4, 32, CONFIG.dim) and hidden.requires_grad
+    assert not stages[0].example_inputs[0].requires_grad  # integer tokens
+
+
+def test_stage_layer_counts_and_their_errors():
+    assert stage_layer_counts(10, 4) == (3, 3, 2, 2)
+    assert stage_layer_counts(4, 2, (1, 3)) == (1, 3)
+    with pytest.raises(PipelineError, match="asks for 3 stages but the model's stack has 2"):
+        stage_layer_counts(2, 3)
+    with pytest.raises(PipelineError, match="summing to the stack's 4 layers"):
+        stage_layer_counts(4, 2, (1, 2))
+    with pytest.raises(PipelineError, match="schedule must be one of gpipe, 1f1b"):
+        PipelineConfig(schedule="zero-bubble")
+    with pytest.raises(PipelineError, match="microbatches must be a positive int"):
+        PipelineConfig(microbatches=0)
+
+
+def _planner(fake_mesh, shape, names, batch=8):
+    with torch.device("meta"):
+        model = Llama(CONFIG)
+    tokens = torch.zeros(batch, 32, dtype=torch.long)
+    return AutoParallel(model, lambda: tokens, fake_mesh(shape, names), hardware="cpu")
+
+
+def test_a_pipeline_that_cannot_run_is_refused_with_what_to_change(fake_mesh):
+    with pytest.raises(PipelineError, match="must be the mesh's first"):
+        _planner(fake_mesh, (2, 2), ("dp", "pp"))
+    with pytest.raises(PipelineError, match=r"at least one more dim.*\(2, 1\)"):
+        _planner(fake_mesh, (2,), ("pp",))
+    with pytest.raises(PipelineError, match="3 microbatches of the batch of 8"):
+        with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
+            autop.add_pipeline_constraint(microbatches=3)
+    with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
+        autop.add_input_constraints([(Replicate(), Shard(0))])
+        with pytest.raises(PipelineError, match="before the other constraints.*input:0"):
+            autop.add_pipeline_constraint(schedule="gpipe")
+        with pytest.raises(PipelineError, match="'pp' mesh dim must be Replicate"):
+            autop.add_output_constraints([(Shard(0), Shard(0))])
+    with _planner(fake_mesh, (2, 2), ("dp", "tp")) as autop:
+        with pytest.raises(PipelineError, match="needs a mesh whose first dim is named 'pp'"):
+            autop.add_pipeline_constraint(schedule="gpipe")
+
+
+def test_a_pipelined_plan_says_its_stages(fake_mesh):
+    """On a fake mesh, as one process plans for a cluster, this process is rank 0: it plans
+    the first stage on dp, and the plan carries the pipeline."""
+    with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
+        autop.add_pipeline_constraint(schedule="gpipe", microbatches=2)
+        autop.add_input_constraints([(Replicate(), Shard(0))])
+        plan = autop.optimize_placement()
+    assert plan.mesh_dim_names == ("dp",) and plan.mesh_shape == (2,)
+    assert plan.pipeline.describe() == "gpipe, 2 microbatches, stage 0: layers.0, stage 1: layers.1"
+    assert plan_json(plan)["pipeline"] == {
+        "schedule": "gpipe",
+        "microbatches": 2,
+        "stages": [["layers.0"], ["layers.1"]],
+        "stage_index": 0,
+    }
+    assert "layers.1.attention.wq.weight" not in plan.param_placements
+    assert "tok_embeddings.weight" in plan.param_placements
+    # the hidden states leave the first stage split by rows over dp, as stage 1 takes them
+    assert [str(p) for p in plan.output_placements[0]] == [str(Shard(0))]
