@@ -79,7 +79,7 @@ def train_pipelined(rank: int, world_size: int, schedule: str, microbatches: int
             grads = full_grads(pipe.module)
         optimizer.step()
         if step_losses:  # the mean over the microbatches of this rank's rows
-            losses.append(float(torch.stack(step_losses).mean()))
+            losses.append(float(torch.stack(step_losses).detach().mean()))
     return {
         "stage": plan.pipeline.stage_index,
         "stages": plan.pipeline.stages,

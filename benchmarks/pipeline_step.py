@@ -1,0 +1,193 @@
+"""Pipeline parallelism on gloo CPU ranks: its step time against the plan without stages,
+and its losses against it.
+
+    python -m benchmarks.pipeline_step --model llama-tiny --batch 16 --steps 10 --rounds 2
+
+On 4 ranks, in one set of processes, timed round-robin (``workloads.round_robin``):
+
+* ``dp``: ours on a 1-D mesh of 4, free plan, the batch split by rows over all 4;
+* ``pp-<schedule>-m<M>``: ours on a (pp, dp) = (2, 2) mesh, the model cut into 2 stages at
+  its layer stack, each stage planned on dp, run by torch.distributed.pipelining's schedule
+  over M microbatches (``--variants``, default 1f1b with 2 and 4, gpipe with 4).
+
+Every variant starts from the same init (seed 0, built on CPU: a stage cut from a meta
+model cannot run ``init_weights`` yet, see docs/architecture.md) and trains the same global
+batch with AdamW; their first steps' losses must agree (``--tolerance``), which the output
+says. One record per pipeline variant: its median step over dp's (below 1: faster), the
+question ``<model>-4r-pp2-<schedule>-m<M>``. On a 2-core host 4 ranks share 2 cores, and a
+pipeline's bubble leaves ranks idle that other ranks can then use: read the ratio as this
+host's, not a GPU cluster's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from autoparallel import AutoParallel
+from autoparallel.runtime.launch import run_distributed
+from benchmarks.results import record
+from benchmarks.workloads import (
+    WORKLOADS,
+    TimedRun,
+    loss_of,
+    make_optimizer,
+    plan_ours,
+    round_robin,
+    training_step,
+)
+
+NPROC = 4
+DEFAULT_VARIANTS = ("1f1b:2", "1f1b:4", "gpipe:4")
+
+
+def _pipelined(workload: Any, schedule: str, microbatches: int) -> Any:
+    mesh = init_device_mesh("cpu", (2, NPROC // 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = workload.build()
+    model.init_weights(seed=0)
+    inputs, _ = workload.global_batch()
+    rows = (Replicate(), Shard(0))
+    dp = NPROC // 2
+    with AutoParallel(model, lambda: inputs, mesh, hardware="cpu") as autop:
+        autop.add_pipeline_constraint(schedule=schedule, microbatches=microbatches)
+        autop.add_input_constraints([rows])
+        autop.add_output_constraints([rows])
+        plan = autop.optimize_placement()
+        pipe = autop.apply_placement(plan, loss_fn=lambda out, tgt: loss_of(out, tgt) / dp)
+    return mesh, pipe
+
+
+def _pipeline_step(pipe: Any, inputs: Any, targets: Any, losses: list[float]) -> Any:
+    optimizer = make_optimizer(pipe)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        microbatch_losses: list[torch.Tensor] = []
+        pipe.step(inputs, target=targets, losses=microbatch_losses)
+        optimizer.step()
+        # this rank's share of the step's loss (the last stage's; 0 on the first stage)
+        mine = torch.stack(microbatch_losses).detach().mean() if microbatch_losses else None
+        losses.append(0.0 if mine is None else float(mine))
+
+    return step
+
+
+def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, Any]) -> Any:
+    workload = replace(WORKLOADS[model], batch=batch)
+    inputs, targets = workload.global_batch()
+    runs: dict[str, TimedRun] = {}
+    losses: dict[str, list[float]] = {}
+    flat = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ours = plan_ours(workload, flat, hardware="cpu")
+    rows = batch // world_size
+    local = slice(rank * rows, (rank + 1) * rows)
+    losses["dp"] = []
+    runs["dp"] = TimedRun(
+        training_step(
+            ours.module,
+            make_optimizer(ours.module),
+            inputs[local],
+            targets[local],
+            1.0 / world_size,  # gradients of the batch's mean loss, as the pipeline's
+            losses["dp"],
+        ),
+        ours.plan,
+        {},
+    )
+    for variant in args["variants"]:
+        schedule, microbatches = variant.split(":")
+        mesh, pipe = _pipelined(workload, schedule, int(microbatches))
+        dp_rank, dp = mesh.get_local_rank("dp"), mesh.shape[1]
+        share = batch // dp
+        mine = slice(dp_rank * share, (dp_rank + 1) * share)
+        name = f"pp-{schedule}-m{microbatches}"
+        losses[name] = []
+        runs[name] = TimedRun(
+            _pipeline_step(pipe, inputs[mine], targets[mine], losses[name]), None, {}
+        )
+    timings = round_robin(runs, args["rounds"], args["steps"] // args["rounds"], args["warmup"])
+    # the first step's loss of the whole batch: dp's ranks each hold their rows' mean, the
+    # pipeline's last-stage ranks their share (already divided by dp), the others 0
+    first = torch.tensor([values[0] for values in losses.values()], dtype=torch.float64)
+    dist.all_reduce(first)
+    first[0] /= world_size
+    return {
+        "all_ms": {
+            name: [s for timing in t for s in timing.step_ms] for name, t in timings.items()
+        },
+        "first_loss": dict(zip(losses, first.tolist())),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-tiny", choices=["llama-tiny", "llama-small"])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--timeout", type=float, default=1200.0)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(argv)
+    settings = {k: getattr(args, k) for k in ("variants", "rounds", "steps", "warmup")}
+    results = run_distributed(
+        _rank, NPROC, args.model, args.batch, settings, timeout_s=args.timeout
+    )
+    rank0 = results[0]
+    steps = {name: _median(rank0["all_ms"][name]) for name in rank0["all_ms"]}
+    reference = rank0["first_loss"]["dp"]
+    records = []
+    for name, step_ms in steps.items():
+        if name == "dp":
+            continue
+        loss_gap = abs(rank0["first_loss"][name] - reference)
+        line = {
+            "variant": name,
+            "step_ms": round(step_ms, 2),
+            "dp_step_ms": round(steps["dp"], 2),
+            "ratio": round(step_ms / steps["dp"], 3),
+            "first_loss": rank0["first_loss"][name],
+            "dp_first_loss": reference,
+            "loss_agrees": loss_gap <= args.tolerance,
+        }
+        print(json.dumps(line))
+        records.append(
+            {
+                "question": f"{args.model}-4r-pp2-{name.removeprefix('pp-')}",
+                "what": (
+                    f"step time, ours as 2 pipeline stages x 2 dp ranks ({name}) / ours on "
+                    f"4 dp ranks, {args.model}, batch {args.batch}, 4 gloo ranks on this "
+                    "host, round-robin"
+                ),
+                "figure": line["ratio"],
+                "unit": "x",
+                **line,
+            }
+        )
+    failed = [r["variant"] for r in records if not r["loss_agrees"]]
+    if failed:
+        print(f"first-step losses disagree with dp's: {', '.join(failed)}", file=sys.stderr)
+    if not args.no_record:
+        record("pipeline_step", records, argv)
+    return 1 if failed else 0
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
