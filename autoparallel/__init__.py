@@ -19,11 +19,11 @@ from autoparallel.runtime.dynamic import DynamicShapeError
 from autoparallel.runtime.gloo import UnsafeProcessGroupError, serial_gloo_backend
 from autoparallel.runtime.init import InitError, full_value_init
 from autoparallel.runtime.launch import fake_mesh
+from autoparallel.runtime.pipeline import ParallelPipeline
 from autoparallel.runtime.shutdown import shutdown_distributed
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.trace.errors import TraceError
 from autoparallel.trace.sharding_constraint import with_sharding_constraint
-from autoparallel.runtime.pipeline import ParallelPipeline
 from autoparallel.types.memory import MemoryEstimate
 from autoparallel.types.pipeline import PipelineConfig, PipelineError, PipelinePlan
 from autoparallel.types.plan import Plan
