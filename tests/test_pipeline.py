@@ -3,9 +3,12 @@ its stage on the other dims, torch.distributed.pipelining's schedule runs the st
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers.pipeline_cases import CONFIG, reference, train_pipelined
+from helpers.planning import run_cli
 from helpers.runtime_cases import TOLERANCE
 from torch.distributed.tensor import Replicate, Shard
 
@@ -114,3 +117,16 @@ def test_a_pipelined_plan_says_its_stages(fake_mesh):
     assert "tok_embeddings.weight" in plan.param_placements
     # the hidden states leave the first stage split by rows over dp, as stage 1 takes them
     assert [str(p) for p in plan.output_placements[0]] == [str(Shard(0))]
+
+
+def test_the_command_plans_a_pipeline_stage_and_says_so(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "tiny", "--mesh", "2x2", "--mesh-names", "pp,dp"]
+    result = run_cli(*args, "--batch", "8", "--seq", "32", "--no-save", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pipeline: 2 stages, 1f1b, 2 microbatches (stage 0: layers.0; stage 1: layers.1)" in (
+        result.stdout
+    )
+    data = json.loads(out.read_text())
+    assert data["pipeline"]["stage_index"] == 0 and data["mesh"]["dim_names"] == ["dp"]
+    assert data["inputs"][0]["placements"].startswith("S(0)")  # the microbatch's rows over dp

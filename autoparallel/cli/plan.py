@@ -177,7 +177,6 @@ def _planned(
 ) -> tuple[dict[str, Any], Any]:
     """Plan ``model`` on ``mesh`` as ``request`` says; (plan JSON dict, Plan)."""
     from autoparallel import AutoParallel
-    from autoparallel.mesh_search import batch_placements
 
     start = time.perf_counter()
     with AutoParallel(
@@ -190,10 +189,9 @@ def _planned(
         trace_layers_once=not request.trace_all_layers,
     ) as autop:
         joint = autop.sharding_optimizer.problem.joint
-        ndim = len(request.mesh_shape)
-        autop.add_input_constraints(batch_placements(joint.user_inputs, request.batch, ndim))
         outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
-        autop.add_output_constraints(batch_placements(outputs, request.batch, ndim))
+        autop.add_input_constraints(_batch_split(autop, joint.user_inputs, request.batch))
+        autop.add_output_constraints(_batch_split(autop, outputs, request.batch))
         if request.parameter_memory == "default":
             autop.add_parameter_memory_constraint()
         elif request.parameter_memory is not None:
@@ -244,6 +242,21 @@ def _run_info(
         "stage_times_s": {k: round(float(v), 3) for k, v in stage_times_s.items()},
         "planning_s": round(elapsed_s, 3),
     }
+
+
+def _batch_split(autop: Any, nodes: list[Any], batch: int | None) -> list[Any]:
+    """The batch split over the first mesh dim; with a "pp" dim, over the first after it
+    (Replicate on pp), the rows being a microbatch's."""
+    from torch.distributed.tensor import Replicate
+
+    from autoparallel.mesh_search import batch_placements
+
+    stage = autop.stage_setup
+    if stage is None:
+        return batch_placements(nodes, batch, autop.mesh.ndim)
+    rows = int(stage.stage.example_inputs[0].shape[0]) if batch is not None else None
+    inner = batch_placements(nodes, rows, autop.mesh.ndim)
+    return [None if p is None else (Replicate(), *p) for p in inner]
 
 
 def plan_data(autop: Any) -> dict[str, Any]:

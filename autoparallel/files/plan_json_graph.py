@@ -348,6 +348,7 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
         "fallbacks": data["fallbacks"],
         "constraints": {name: c.description for name, c in problem.user_constraints.items()},
         "regions": _regions(joint, plan, topology),
+        "pipeline": data["pipeline"],
     }
 
 

@@ -81,6 +81,7 @@ def _fmt_us(value: Any) -> str:
 def summary_lines(data: Mapping[str, Any]) -> list[str]:
     """The human-readable summary of a plan JSON dict (what ``autoparallel plan`` prints)."""
     lines = _header_lines(data)
+    lines += pipeline_lines(data)
     lines += parameter_lines(data)
     lines += totals_lines(data)
     lines += memory_lines(data)
@@ -90,6 +91,22 @@ def summary_lines(data: Mapping[str, Any]) -> list[str]:
     if data.get("fallbacks"):
         lines.append(f"replicated for lack of a strategy: {', '.join(map(str, data['fallbacks']))}")
     return lines
+
+
+def pipeline_lines(data: Mapping[str, Any]) -> list[str]:
+    """With a "pp" mesh dim: the schedule, the microbatches, every stage's layers, and which
+    stage the rest of the summary is of."""
+    p = data.get("pipeline")
+    if not p:
+        return []
+    stages = "; ".join(
+        f"stage {i}: {layers[0]}..{layers[-1]}" if len(layers) > 1 else f"stage {i}: {layers[0]}"
+        for i, layers in enumerate(p["stages"])
+    )
+    return [
+        f"pipeline: {len(p['stages'])} stages, {p['schedule']}, {p['microbatches']} microbatches "
+        f"({stages}); the placements below are stage {p['stage_index']}'s on the other mesh dims"
+    ]
 
 
 def _header_lines(data: Mapping[str, Any]) -> list[str]:

@@ -294,6 +294,7 @@ def _fix_in_turn(
         if not len(fixed) or fixed.tobytes() in tried or time.perf_counter() >= deadline:
             continue
         tried.add(fixed.tobytes())
+        began = time.perf_counter()
         count = len(fixed)
         highs.changeColsBounds(count, fixed, np.ones(count), np.ones(count))
         every_class = len(flat) > 0 and bool(
@@ -317,10 +318,12 @@ def _fix_in_turn(
             best = plan
         highs.changeColsBounds(count, fixed, np.zeros(count), np.ones(count))
         logger.debug(
-            "relax and fix at %.2f: %d columns fixed, %s, %s",
+            "relax and fix at %.2f: %d columns fixed, %s by %s in %.2f s, %s",
             threshold,
             count,
             status,
+            "LP" if whole is not None else "MIP",
+            time.perf_counter() - began,
             "no plan" if plan is None else f"{100 * plan.gap(bound):.3f}% above the bound",
         )
         if plan is not None and status.lower() == "optimal" and plan.gap(bound) <= options.fix_gap:
