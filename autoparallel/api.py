@@ -34,6 +34,7 @@ from autoparallel.stage_setup import (
     StageSetup,
     boundary_placements,
     pipeline_mesh_dims,
+    priced_pipeline,
     set_up_stage,
     without_pipeline_dim,
 )
@@ -129,6 +130,7 @@ class AutoParallel:
         # with a "pp" dim, model, input_fn, mesh and topology become this rank's stage's
         # in __enter__; the whole model's are kept here
         self._whole = (model, input_fn, mesh, hardware, gpus_per_node)
+        self._whole_topology = self.topology
         self.pipeline_config = PipelineConfig() if pipeline_mesh_dims(mesh) else None
         self.stage_setup: StageSetup | None = None
         self._entered_constraints: set[str] = set()
@@ -353,7 +355,8 @@ class AutoParallel:
             )
         self.stage_times_s["solve"] = time.perf_counter() - start
         if self.stage_setup is not None:
-            plan.pipeline = self.stage_setup.pipeline_plan()
+            outputs = [None if o is None else o.meta["val"] for o in self.joint.user_outputs]
+            plan.pipeline = priced_pipeline(self.stage_setup, plan, outputs, self._whole_topology)
         return plan
 
     def save_placements(self, path: str, plan: Plan | None = None) -> None:
@@ -416,9 +419,8 @@ class AutoParallel:
         self.stage_times_s["apply"] = time.perf_counter() - start
         if self.stage_setup is None:
             return module
-        return ParallelPipeline(
-            module, self.stage_setup.pipeline_plan(), self.stage_setup.pp_mesh, loss_fn
-        )
+        pipeline = plan.pipeline or self.stage_setup.pipeline_plan()
+        return ParallelPipeline(module, pipeline, self.stage_setup.pp_mesh, loss_fn)
 
     def _add_boundary_constraints(self, constraints: Sequence, nodes: list, what: str) -> list[str]:
         if not isinstance(constraints, (list, tuple)):

@@ -29,8 +29,17 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoparallel._torch_internals import tree_flatten
+from autoparallel.cost.pipeline import pipeline_cost, transfer_us
+from autoparallel.cost.topology import Topology
 from autoparallel.trace.stages import StageModule, split_stages
-from autoparallel.types.pipeline import PIPELINE_DIM, PipelineConfig, PipelineError, PipelinePlan
+from autoparallel.types.pipeline import (
+    PIPELINE_DIM,
+    PipelineConfig,
+    PipelineCost,
+    PipelineError,
+    PipelinePlan,
+)
+from autoparallel.types.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -52,8 +61,10 @@ class StageSetup:
     def is_last(self) -> bool:
         return self.stage.index == len(self.stages) - 1
 
-    def pipeline_plan(self) -> PipelinePlan:
-        return PipelinePlan(self.config.schedule, self.microbatches, self.stages, self.stage.index)
+    def pipeline_plan(self, cost: PipelineCost | None = None) -> PipelinePlan:
+        return PipelinePlan(
+            self.config.schedule, self.microbatches, self.stages, self.stage.index, cost
+        )
 
     def input_fn(self) -> tuple[torch.Tensor, ...]:
         return self.stage.example_inputs
@@ -130,6 +141,46 @@ def boundary_placements(
         else replicated
         for t in tensors
     ]
+
+
+def priced_pipeline(
+    setup: StageSetup, plan: Plan, outputs: list[Any], whole: Topology
+) -> PipelinePlan:
+    """The pipeline of ``plan`` with its predicted step (cost/pipeline.py): this stage's
+    microbatch time is its plan's step less the optimizer, plus its sends on the pp dim (its
+    outputs forward, its inputs' gradients back); the stages' times are exchanged over the pp
+    group. Collective over the pp group on a real mesh; on a fake one (one process plans one
+    stage) the other stages are unknown and the cost is None."""
+    sends = [t for t in outputs if isinstance(t, torch.Tensor)] if not setup.is_last else []
+    if not setup.is_first:
+        sends += [t for t in setup.stage.example_inputs if t.requires_grad]
+    rows = setup.stage.example_inputs[0].shape[0] if setup.stage.example_inputs else None
+    split = setup.mesh.shape[0]
+    local = [
+        t.numel() * t.element_size() / (split if t.ndim and t.shape[0] == rows else 1)
+        for t in sends
+    ]
+    mine = (
+        plan.totals.total_us
+        - plan.totals.optimizer_us
+        + sum(transfer_us(nbytes, whole) for nbytes in local),
+        plan.totals.optimizer_us,
+    )
+    everyone = _gathered(mine, setup.pp_mesh)
+    if everyone is None:
+        return setup.pipeline_plan()
+    cost = pipeline_cost([t for t, _ in everyone], [o for _, o in everyone], setup.microbatches)
+    return setup.pipeline_plan(cost)
+
+
+def _gathered(mine: tuple[float, float], pp_mesh: DeviceMesh) -> list[Any] | None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return None
+    everyone: list[Any] = [None] * pp_mesh.size()
+    dist.all_gather_object(everyone, mine, group=pp_mesh.get_group())
+    return everyone
 
 
 def without_pipeline_dim(constraints: Any, what: str) -> Any:

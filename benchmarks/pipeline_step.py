@@ -14,7 +14,9 @@ Every variant starts from the same init (seed 0, built on CPU: a stage cut from 
 model cannot run ``init_weights`` yet, see docs/architecture.md) and trains the same global
 batch with AdamW; their first steps' losses must agree (``--tolerance``), which the output
 says. One record per pipeline variant: its median step over dp's (below 1: faster), the
-question ``<model>-4r-pp2-<schedule>-m<M>``. On a 2-core host 4 ranks share 2 cores, and a
+question ``<model>-4r-pp2-<schedule>-m<M>``, with each variant's predicted step beside its
+measured one (``predicted_ms``: the pipeline's ``plan.pipeline.cost.step_us``, dp's
+``plan.totals``; priced on ``--hardware``, a preset or a calibrated profile). On a 2-core host 4 ranks share 2 cores, and a
 pipeline's bubble leaves ranks idle that other ranks can then use: read the ratio as this
 host's, not a GPU cluster's.
 """
@@ -49,7 +51,7 @@ NPROC = 4
 DEFAULT_VARIANTS = ("1f1b:2", "1f1b:4", "gpipe:4")
 
 
-def _pipelined(workload: Any, schedule: str, microbatches: int) -> Any:
+def _pipelined(workload: Any, schedule: str, microbatches: int, hardware: str) -> Any:
     mesh = init_device_mesh("cpu", (2, NPROC // 2), mesh_dim_names=("pp", "dp"))
     torch.manual_seed(0)
     model = workload.build()
@@ -57,13 +59,13 @@ def _pipelined(workload: Any, schedule: str, microbatches: int) -> Any:
     inputs, _ = workload.global_batch()
     rows = (Replicate(), Shard(0))
     dp = NPROC // 2
-    with AutoParallel(model, lambda: inputs, mesh, hardware="cpu") as autop:
+    with AutoParallel(model, lambda: inputs, mesh, hardware=hardware) as autop:
         autop.add_pipeline_constraint(schedule=schedule, microbatches=microbatches)
         autop.add_input_constraints([rows])
         autop.add_output_constraints([rows])
         plan = autop.optimize_placement()
         pipe = autop.apply_placement(plan, loss_fn=lambda out, tgt: loss_of(out, tgt) / dp)
-    return mesh, pipe
+    return mesh, pipe, plan.pipeline.cost.step_us / 1e3
 
 
 def _pipeline_step(pipe: Any, inputs: Any, targets: Any, losses: list[float]) -> Any:
@@ -87,7 +89,8 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
     runs: dict[str, TimedRun] = {}
     losses: dict[str, list[float]] = {}
     flat = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    ours = plan_ours(workload, flat, hardware="cpu")
+    ours = plan_ours(workload, flat, hardware=args["hardware"])
+    predicted = {"dp": ours.plan.totals.total_us / 1e3}
     rows = batch // world_size
     local = slice(rank * rows, (rank + 1) * rows)
     losses["dp"] = []
@@ -105,11 +108,12 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
     )
     for variant in args["variants"]:
         schedule, microbatches = variant.split(":")
-        mesh, pipe = _pipelined(workload, schedule, int(microbatches))
+        mesh, pipe, step_ms = _pipelined(workload, schedule, int(microbatches), args["hardware"])
         dp_rank, dp = mesh.get_local_rank("dp"), mesh.shape[1]
         share = batch // dp
         mine = slice(dp_rank * share, (dp_rank + 1) * share)
         name = f"pp-{schedule}-m{microbatches}"
+        predicted[name] = step_ms
         losses[name] = []
         runs[name] = TimedRun(
             _pipeline_step(pipe, inputs[mine], targets[mine], losses[name]), None, {}
@@ -125,6 +129,7 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
             name: [s for timing in t for s in timing.step_ms] for name, t in timings.items()
         },
         "first_loss": dict(zip(losses, first.tolist())),
+        "predicted_ms": predicted,
     }
 
 
@@ -137,10 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument(
+        "--hardware", default="cpu", help="a preset or a profile from autoparallel calibrate"
+    )
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
-    settings = {k: getattr(args, k) for k in ("variants", "rounds", "steps", "warmup")}
+    keys = ("variants", "rounds", "steps", "warmup", "hardware")
+    settings = {k: getattr(args, k) for k in keys}
     results = run_distributed(
         _rank, NPROC, args.model, args.batch, settings, timeout_s=args.timeout
     )
@@ -157,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             "step_ms": round(step_ms, 2),
             "dp_step_ms": round(steps["dp"], 2),
             "ratio": round(step_ms / steps["dp"], 3),
+            "predicted_ms": round(rank0["predicted_ms"][name], 2),
+            "dp_predicted_ms": round(rank0["predicted_ms"]["dp"], 2),
+            "hardware": args.hardware,
             "first_loss": rank0["first_loss"][name],
             "dp_first_loss": reference,
             "loss_agrees": loss_gap <= args.tolerance,

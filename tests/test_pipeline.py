@@ -41,6 +41,11 @@ def test_pipelined_training_equals_one_device(ranks):
         for name, value in result["params"].items():
             assert torch.allclose(value, expected["params"][name], atol=TOLERANCE), name
             assert torch.allclose(result["grads"][name], expected["grads"][name], atol=TOLERANCE)
+    # on real ranks the stages' times are exchanged: every rank prices the same step
+    costs = {r["pipeline"].cost for r in results}
+    assert len(costs) == 1 and None not in costs
+    (cost,) = costs
+    assert len(cost.stage_microbatch_us) == 2 and cost.step_us > 2 * max(cost.stage_microbatch_us)
     # the cut's hidden states split by rows over dp on both sides
     assert "Shard(dim=0)" in last[0]["input_placements"][0]
 
@@ -112,6 +117,7 @@ def test_a_pipelined_plan_says_its_stages(fake_mesh):
         "microbatches": 2,
         "stages": [["layers.0"], ["layers.1"]],
         "stage_index": 0,
+        "cost": None,  # one process plans one stage: the others' times are not known here
     }
     assert "layers.1.attention.wq.weight" not in plan.param_placements
     assert "tok_embeddings.weight" in plan.param_placements
@@ -130,3 +136,13 @@ def test_the_command_plans_a_pipeline_stage_and_says_so(tmp_path):
     data = json.loads(out.read_text())
     assert data["pipeline"]["stage_index"] == 0 and data["mesh"]["dim_names"] == ["dp"]
     assert data["inputs"][0]["placements"].startswith("S(0)")  # the microbatch's rows over dp
+
+
+def test_the_pipeline_step_is_the_slowest_stage_times_the_microbatches_plus_the_fill():
+    from autoparallel.cost.pipeline import pipeline_cost
+
+    cost = pipeline_cost([10.0, 30.0, 20.0], [1.0, 5.0, 2.0], microbatches=4)
+    # the first microbatch crosses all three stages (60), then 3 more of the slowest (90)
+    assert cost.step_us == 60.0 + 90.0 + 5.0
+    assert cost.bubble_us == 150.0 - 4 * 30.0
+    assert cost.stage_microbatch_us == (10.0, 30.0, 20.0)

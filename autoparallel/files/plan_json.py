@@ -200,6 +200,13 @@ def _pipeline(plan: Plan) -> dict[str, Any] | None:
         "microbatches": pipeline.microbatches,
         "stages": [list(layers) for layers in pipeline.stages],
         "stage_index": pipeline.stage_index,
+        "cost": None
+        if pipeline.cost is None
+        else {
+            "stage_microbatch_us": [json_float(t) for t in pipeline.cost.stage_microbatch_us],
+            "bubble_us": json_float(pipeline.cost.bubble_us),
+            "step_us": json_float(pipeline.cost.step_us),
+        },
     }
 
 

@@ -103,10 +103,18 @@ def pipeline_lines(data: Mapping[str, Any]) -> list[str]:
         f"stage {i}: {layers[0]}..{layers[-1]}" if len(layers) > 1 else f"stage {i}: {layers[0]}"
         for i, layers in enumerate(p["stages"])
     )
-    return [
+    lines = [
         f"pipeline: {len(p['stages'])} stages, {p['schedule']}, {p['microbatches']} microbatches "
         f"({stages}); the placements below are stage {p['stage_index']}'s on the other mesh dims"
     ]
+    cost = p.get("cost")
+    if cost:
+        per_stage = ", ".join(_fmt_us(t) for t in cost["stage_microbatch_us"])
+        lines.append(
+            f"pipeline step: {_fmt_us(cost['step_us'])} predicted, bubble "
+            f"{_fmt_us(cost['bubble_us'])}; a microbatch per stage: {per_stage}"
+        )
+    return lines
 
 
 def _header_lines(data: Mapping[str, Any]) -> list[str]:

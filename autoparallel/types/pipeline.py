@@ -65,6 +65,17 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class PipelineCost:
+    """The predicted step of the pipeline (us; cost/pipeline.py): each stage's time for one
+    microbatch's forward and backward with its sends, the slowest stage's idle time (the
+    bubble), and the whole step with the optimizer."""
+
+    stage_microbatch_us: tuple[float, ...]
+    bubble_us: float
+    step_us: float
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     """The pipeline of a plan: the schedule, the microbatches, and which layers each stage
     runs (``stages[i]``: the layer-stack entries of stage ``i``, e.g. ``("layers.0",
@@ -75,6 +86,8 @@ class PipelinePlan:
     microbatches: int
     stages: tuple[tuple[str, ...], ...]
     stage_index: int
+    # None where the other stages' plans are not known here (a fake mesh plans one stage)
+    cost: PipelineCost | None = None
 
     @property
     def num_stages(self) -> int:
@@ -87,4 +100,10 @@ class PipelinePlan:
             else f"stage {i}: {layers[0]}"
             for i, layers in enumerate(self.stages)
         )
-        return f"{self.schedule}, {self.microbatches} microbatches, {spans}"
+        described = f"{self.schedule}, {self.microbatches} microbatches, {spans}"
+        if self.cost is None:
+            return described
+        return (
+            f"{described}; predicted step {self.cost.step_us / 1e3:.2f} ms, bubble "
+            f"{self.cost.bubble_us / 1e3:.2f} ms"
+        )

@@ -87,4 +87,5 @@ def train_pipelined(rank: int, world_size: int, schedule: str, microbatches: int
         "grads": grads,
         "params": full_params(pipe.module),
         "input_placements": [str(p) for p in plan.input_placements],
+        "pipeline": plan.pipeline,
     }

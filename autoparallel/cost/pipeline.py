@@ -1,0 +1,43 @@
+"""The price of running a plan's stages as a pipeline (all in us).
+
+Each stage's plan prices one microbatch's forward and backward on the stage's own mesh
+(its ``totals`` less the optimizer step, which runs once per step). The schedules here
+(GPipe, 1F1B, neither interleaved) run every microbatch through every stage in order, so
+with per-microbatch stage times ``t_0 .. t_{p-1}`` and ``M`` microbatches the step takes
+the first microbatch's trip through all stages plus ``M - 1`` more of the slowest stage:
+
+    step = sum(t) + (M - 1) * max(t) + the slowest stage's optimizer step
+
+and the bubble, the time the slowest stage waits, is ``step - M * max(t)`` (before the
+optimizer). GPipe and 1F1B take the same time in this model; 1F1B holds fewer microbatches'
+activations at once. Each cut costs a point-to-point send of its tensors forward and of their
+gradients back per microbatch, on the ``pp`` dim's link, charged to the stage that sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autoparallel.cost.topology import Topology
+from autoparallel.types.pipeline import PipelineCost
+
+
+def transfer_us(nbytes: float, topology: Topology, mesh_dim: int = 0) -> float:
+    """One point-to-point send of ``nbytes`` along ``mesh_dim`` (the pp dim)."""
+    if nbytes <= 0:
+        return 0.0
+    return topology.latency_us(mesh_dim) + nbytes / topology.bandwidth(mesh_dim) * 1e6
+
+
+def pipeline_cost(
+    microbatch_us: Sequence[float], optimizer_us: Sequence[float], microbatches: int
+) -> PipelineCost:
+    """The step of ``microbatches`` through stages taking ``microbatch_us`` each (see the
+    module docstring); ``optimizer_us``: each stage's optimizer step."""
+    slowest = max(microbatch_us)
+    flow = sum(microbatch_us) + (microbatches - 1) * slowest
+    return PipelineCost(
+        stage_microbatch_us=tuple(float(t) for t in microbatch_us),
+        bubble_us=float(flow - microbatches * slowest),
+        step_us=float(flow + max(optimizer_us)),
+    )
