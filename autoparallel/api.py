@@ -10,6 +10,7 @@ step; ``optimize_placement`` solves; ``apply_placement`` builds the parallel mod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -269,7 +270,14 @@ class AutoParallel:
             microbatches if microbatches is not None else current.microbatches,
             tuple(stage_layers) if stage_layers is not None else current.stage_layers,
         )
-        self.__enter__()
+        same_cut = (self.pipeline_config.microbatches, self.pipeline_config.stage_layers) == (
+            current.microbatches,
+            current.stage_layers,
+        )
+        if same_cut:  # the schedule alone: the stage and its problem stay as they are
+            self.stage_setup = dataclasses.replace(self.stage_setup, config=self.pipeline_config)
+        else:
+            self.__enter__()
         return f"pipeline: {self.stage_setup.pipeline_plan().describe()}"
 
     def add_input_constraints(self, constraints: Sequence[Sequence | None]) -> list[str]:
