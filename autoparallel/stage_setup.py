@@ -29,7 +29,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoparallel._torch_internals import tree_flatten
-from autoparallel.cost.pipeline import pipeline_cost, transfer_us
+from autoparallel.cost.pipeline import (
+    microbatches_in_flight,
+    pipeline_cost,
+    stage_memory,
+    transfer_us,
+)
 from autoparallel.cost.topology import Topology
 from autoparallel.trace.stages import StageModule, split_stages
 from autoparallel.types.pipeline import (
@@ -38,6 +43,7 @@ from autoparallel.types.pipeline import (
     PipelineCost,
     PipelineError,
     PipelinePlan,
+    StageMemory,
 )
 from autoparallel.types.plan import Plan
 
@@ -61,9 +67,11 @@ class StageSetup:
     def is_last(self) -> bool:
         return self.stage.index == len(self.stages) - 1
 
-    def pipeline_plan(self, cost: PipelineCost | None = None) -> PipelinePlan:
+    def pipeline_plan(
+        self, cost: PipelineCost | None = None, memory: StageMemory | None = None
+    ) -> PipelinePlan:
         return PipelinePlan(
-            self.config.schedule, self.microbatches, self.stages, self.stage.index, cost
+            self.config.schedule, self.microbatches, self.stages, self.stage.index, cost, memory
         )
 
     def input_fn(self) -> tuple[torch.Tensor, ...]:
@@ -166,11 +174,15 @@ def priced_pipeline(
         + sum(transfer_us(nbytes, whole) for nbytes in local),
         plan.totals.optimizer_us,
     )
+    in_flight = microbatches_in_flight(
+        setup.config.schedule, setup.stage.index, len(setup.stages), setup.microbatches
+    )
+    memory = None if plan.memory is None else stage_memory(plan.memory, in_flight)
     everyone = _gathered(mine, setup.pp_mesh)
     if everyone is None:
-        return setup.pipeline_plan()
+        return setup.pipeline_plan(memory=memory)
     cost = pipeline_cost([t for t, _ in everyone], [o for _, o in everyone], setup.microbatches)
-    return setup.pipeline_plan(cost)
+    return setup.pipeline_plan(cost, memory)
 
 
 def _gathered(mine: tuple[float, float], pp_mesh: DeviceMesh) -> list[Any] | None:

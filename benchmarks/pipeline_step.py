@@ -16,7 +16,11 @@ batch with AdamW; their first steps' losses must agree (``--tolerance``), which 
 says. One record per pipeline variant: its median step over dp's (below 1: faster), the
 question ``<model>-4r-pp2-<schedule>-m<M>``, with each variant's predicted step beside its
 measured one (``predicted_ms``: the pipeline's ``plan.pipeline.cost.step_us``, dp's
-``plan.totals``; priced on ``--hardware``, a preset or a calibrated profile). On a 2-core host 4 ranks share 2 cores, and a
+``plan.totals``; priced on ``--hardware``, a preset or a calibrated profile), and the bytes
+of activations held at once on the first stage's rank 0 and the last stage's last rank
+(``measure_activation_peak`` over one more step) beside ``plan.pipeline.memory.activations``
+(the microbatches in flight under the schedule). The last stage's measurement also holds
+what the loss saves, which is outside the model and not priced. On a 2-core host 4 ranks share 2 cores, and a
 pipeline's bubble leaves ranks idle that other ranks can then use: read the ratio as this
 host's, not a GPU cluster's.
 """
@@ -36,6 +40,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.runtime.launch import run_distributed
+from autoparallel.runtime.memory import measure_activation_peak
 from benchmarks.results import record
 from benchmarks.workloads import (
     WORKLOADS,
@@ -65,7 +70,7 @@ def _pipelined(workload: Any, schedule: str, microbatches: int, hardware: str) -
         autop.add_output_constraints([rows])
         plan = autop.optimize_placement()
         pipe = autop.apply_placement(plan, loss_fn=lambda out, tgt: loss_of(out, tgt) / dp)
-    return mesh, pipe, plan.pipeline.cost.step_us / 1e3
+    return mesh, pipe, plan.pipeline
 
 
 def _pipeline_step(pipe: Any, inputs: Any, targets: Any, losses: list[float]) -> Any:
@@ -88,9 +93,11 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
     inputs, targets = workload.global_batch()
     runs: dict[str, TimedRun] = {}
     losses: dict[str, list[float]] = {}
+    activations: dict[str, tuple[Any, float]] = {}  # variant -> (module, predicted bytes)
     flat = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ours = plan_ours(workload, flat, hardware=args["hardware"])
     predicted = {"dp": ours.plan.totals.total_us / 1e3}
+    activations["dp"] = (ours.module, ours.plan.memory.activations)
     rows = batch // world_size
     local = slice(rank * rows, (rank + 1) * rows)
     losses["dp"] = []
@@ -108,23 +115,35 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
     )
     for variant in args["variants"]:
         schedule, microbatches = variant.split(":")
-        mesh, pipe, step_ms = _pipelined(workload, schedule, int(microbatches), args["hardware"])
+        mesh, pipe, pipeline = _pipelined(workload, schedule, int(microbatches), args["hardware"])
         dp_rank, dp = mesh.get_local_rank("dp"), mesh.shape[1]
         share = batch // dp
         mine = slice(dp_rank * share, (dp_rank + 1) * share)
         name = f"pp-{schedule}-m{microbatches}"
-        predicted[name] = step_ms
+        predicted[name] = pipeline.cost.step_us / 1e3
         losses[name] = []
         runs[name] = TimedRun(
             _pipeline_step(pipe, inputs[mine], targets[mine], losses[name]), None, {}
         )
+        activations[name] = (pipe, pipeline.memory.activations)
     timings = round_robin(runs, args["rounds"], args["steps"] // args["rounds"], args["warmup"])
     # the first step's loss of the whole batch: dp's ranks each hold their rows' mean, the
     # pipeline's last-stage ranks their share (already divided by dp), the others 0
     first = torch.tensor([values[0] for values in losses.values()], dtype=torch.float64)
     dist.all_reduce(first)
     first[0] /= world_size
+    # one more step of each, counting the activations alive at once on this rank
+    held = {
+        name: (
+            measure_activation_peak(
+                runs[name].step, module.module if hasattr(module, "module") else module
+            ),
+            bytes_,
+        )
+        for name, (module, bytes_) in activations.items()
+    }
     return {
+        "activations": held,
         "all_ms": {
             name: [s for timing in t for s in timing.step_ms] for name, t in timings.items()
         },
@@ -168,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": round(step_ms / steps["dp"], 3),
             "predicted_ms": round(rank0["predicted_ms"][name], 2),
             "dp_predicted_ms": round(rank0["predicted_ms"]["dp"], 2),
+            # stage 0 (rank 0) and the last stage (the last rank): measured, predicted MiB
+            "activations_mib": {
+                f"stage {stage}": [round(v / 2**20, 3) for v in results[r]["activations"][name]]
+                for stage, r in ((0, 0), (1, NPROC - 1))
+            },
+            "dp_activations_mib": [round(v / 2**20, 3) for v in rank0["activations"]["dp"]],
             "hardware": args.hardware,
             "first_loss": rank0["first_loss"][name],
             "dp_first_loss": reference,

@@ -112,13 +112,18 @@ def test_a_pipelined_plan_says_its_stages(fake_mesh):
         plan = autop.optimize_placement()
     assert plan.mesh_dim_names == ("dp",) and plan.mesh_shape == (2,)
     assert plan.pipeline.describe() == "gpipe, 2 microbatches, stage 0: layers.0, stage 1: layers.1"
-    assert plan_json(plan)["pipeline"] == {
+    pipeline = plan_json(plan)["pipeline"]
+    memory = pipeline.pop("memory")
+    assert pipeline == {
         "schedule": "gpipe",
         "microbatches": 2,
         "stages": [["layers.0"], ["layers.1"]],
         "stage_index": 0,
         "cost": None,  # one process plans one stage: the others' times are not known here
     }
+    # GPipe: both microbatches' activations held at once
+    assert memory["in_flight"] == 2
+    assert memory["activations"] == pytest.approx(2 * plan.memory.activations)
     assert "layers.1.attention.wq.weight" not in plan.param_placements
     assert "tok_embeddings.weight" in plan.param_placements
     # the hidden states leave the first stage split by rows over dp, as stage 1 takes them
@@ -146,3 +151,16 @@ def test_the_pipeline_step_is_the_slowest_stage_times_the_microbatches_plus_the_
     assert cost.step_us == 60.0 + 90.0 + 5.0
     assert cost.bubble_us == 150.0 - 4 * 30.0
     assert cost.stage_microbatch_us == (10.0, 30.0, 20.0)
+
+
+def test_a_stage_holds_the_activations_of_the_microbatches_its_schedule_keeps_in_flight():
+    from autoparallel.cost.pipeline import microbatches_in_flight, stage_memory
+    from autoparallel.types.memory import MemoryEstimate
+
+    # 1F1B: stage i runs (stages - i) forwards before its first backward; GPipe all of them
+    assert [microbatches_in_flight("1f1b", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
+    assert microbatches_in_flight("1f1b", 0, 4, 2) == 2
+    assert microbatches_in_flight("gpipe", 3, 4, 8) == 8
+    one = MemoryEstimate("adamw", 10.0, 10.0, 20.0, 5.0, 1.0, 46.0, "backward")
+    held = stage_memory(one, 3)
+    assert (held.in_flight, held.activations, held.peak) == (3, 15.0, 56.0)

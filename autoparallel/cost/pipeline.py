@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autoparallel.cost.topology import Topology
-from autoparallel.types.pipeline import PipelineCost
+from autoparallel.types.memory import MemoryEstimate
+from autoparallel.types.pipeline import PipelineCost, ScheduleName, StageMemory
 
 
 def transfer_us(nbytes: float, topology: Topology, mesh_dim: int = 0) -> float:
@@ -27,6 +28,26 @@ def transfer_us(nbytes: float, topology: Topology, mesh_dim: int = 0) -> float:
     if nbytes <= 0:
         return 0.0
     return topology.latency_us(mesh_dim) + nbytes / topology.bandwidth(mesh_dim) * 1e6
+
+
+def microbatches_in_flight(
+    schedule: ScheduleName, stage_index: int, num_stages: int, microbatches: int
+) -> int:
+    """Microbatches whose activations stage ``stage_index`` holds at once: GPipe runs every
+    forward before any backward (all of them); 1F1B lets stage ``i`` run ``num_stages - i``
+    forwards before its first backward, then one forward per backward."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(num_stages - stage_index, microbatches)
+
+
+def stage_memory(memory: MemoryEstimate, in_flight: int) -> StageMemory:
+    """The stage plan's memory (one microbatch's activations) with ``in_flight`` of them."""
+    return StageMemory(
+        in_flight=in_flight,
+        activations=float(in_flight * memory.activations),
+        peak=float(memory.peak + (in_flight - 1) * memory.activations),
+    )
 
 
 def pipeline_cost(

@@ -207,6 +207,13 @@ def _pipeline(plan: Plan) -> dict[str, Any] | None:
             "bubble_us": json_float(pipeline.cost.bubble_us),
             "step_us": json_float(pipeline.cost.step_us),
         },
+        "memory": None
+        if pipeline.memory is None
+        else {
+            "in_flight": pipeline.memory.in_flight,
+            "activations": json_float(pipeline.memory.activations),
+            "peak": json_float(pipeline.memory.peak),
+        },
     }
 
 

@@ -114,6 +114,12 @@ def pipeline_lines(data: Mapping[str, Any]) -> list[str]:
             f"pipeline step: {_fmt_us(cost['step_us'])} predicted, bubble "
             f"{_fmt_us(cost['bubble_us'])}; a microbatch per stage: {per_stage}"
         )
+    memory = p.get("memory")
+    if memory:
+        lines.append(
+            f"pipeline memory of stage {p['stage_index']}: {memory['in_flight']} microbatches' "
+            f"activations in flight ({format_bytes(memory['activations'])}), peak {format_bytes(memory['peak'])}"
+        )
     return lines
 
 

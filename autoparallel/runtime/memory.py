@@ -17,10 +17,15 @@ rank, the bytes of the tensors themselves::
 
 No allocator statistics are read: the peak itself is not measured here (on CUDA,
 ``torch.cuda.max_memory_allocated`` is the figure to put beside ``plan.memory.peak``).
+
+:func:`measure_activation_peak` runs any step (a pipeline schedule's, where several
+microbatches' activations are held at once) and returns the most bytes of saved tensors
+alive at one time.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +35,7 @@ from torch import nn
 
 from autoparallel.types.plan import Plan
 
-__all__ = ["MeasuredMemory", "measure_memory"]
+__all__ = ["MeasuredMemory", "measure_activation_peak", "measure_memory"]
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -101,6 +106,32 @@ def measure_memory(
         activations=activations,
         predicted=predicted,
     )
+
+
+def measure_activation_peak(step: Callable[[], Any], module: nn.Module) -> int:
+    """Run ``step()`` and return the most bytes of distinct storages saved for the backward
+    (``saved_tensors_hooks``) alive at once on this rank, ``module``'s parameters left out.
+
+    A saved tensor counts from its forward until autograd releases it (after its backward):
+    under a pipeline schedule that is every microbatch whose forward ran and whose backward
+    has not. Sampled at each save, so a peak between saves is not seen."""
+    params = {_storage(p).data_ptr() for p in module.parameters()}
+    live: dict[int, tuple[weakref.ref, int]] = {}
+    peak = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal peak
+        storage = _storage(tensor)
+        if storage.data_ptr() not in params:
+            live[storage.data_ptr()] = (weakref.ref(tensor), storage.nbytes())
+        for key in [key for key, (ref, _) in live.items() if ref() is None]:
+            del live[key]
+        peak = max(peak, sum(nbytes for _, nbytes in live.values()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step()
+    return peak
 
 
 def _storage(tensor: torch.Tensor) -> Any:

@@ -76,6 +76,17 @@ class PipelineCost:
 
 
 @dataclass(frozen=True)
+class StageMemory:
+    """This rank's stage under the schedule (bytes per device): how many microbatches'
+    activations it holds at once, their bytes, and its peak (the stage plan's peak, which
+    counts one microbatch's activations, plus the others in flight)."""
+
+    in_flight: int
+    activations: float
+    peak: float
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     """The pipeline of a plan: the schedule, the microbatches, and which layers each stage
     runs (``stages[i]``: the layer-stack entries of stage ``i``, e.g. ``("layers.0",
@@ -88,6 +99,7 @@ class PipelinePlan:
     stage_index: int
     # None where the other stages' plans are not known here (a fake mesh plans one stage)
     cost: PipelineCost | None = None
+    memory: StageMemory | None = None  # this rank's stage
 
     @property
     def num_stages(self) -> int:
