@@ -34,6 +34,7 @@ from autoparallel.solver.highs import SolverOptions
 from autoparallel.stage_setup import (
     StageSetup,
     boundary_placements,
+    check_materialized,
     pipeline_mesh_dims,
     priced_pipeline,
     set_up_stage,
@@ -413,6 +414,8 @@ class AutoParallel:
         optimizer = self.sharding_optimizer
         plan = plan or optimizer.get_solution()
         problem = optimizer.problem
+        if self.stage_setup is not None:
+            check_materialized(self.stage_setup)
         start = time.perf_counter()
         module = apply_placement(
             self.model,

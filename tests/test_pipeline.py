@@ -101,6 +101,11 @@ def test_a_pipeline_that_cannot_run_is_refused_with_what_to_change(fake_mesh):
     with _planner(fake_mesh, (2, 2), ("dp", "tp")) as autop:
         with pytest.raises(PipelineError, match="needs a mesh whose first dim is named 'pp'"):
             autop.add_pipeline_constraint(schedule="gpipe")
+    # planned from a meta model: fine; built, it could never get its rotary tables back
+    with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
+        plan = autop.optimize_placement()
+        with pytest.raises(PipelineError, match="cut from a model on the meta device"):
+            autop.apply_placement(plan, loss_fn=lambda out, target: out.sum())
 
 
 def test_a_pipelined_plan_says_its_stages(fake_mesh):
