@@ -35,7 +35,7 @@ from autoparallel.stage_setup import (
     StageSetup,
     boundary_placements,
     check_materialized,
-    pipeline_mesh_dims,
+    is_pipeline_mesh,
     priced_pipeline,
     set_up_stage,
     without_pipeline_dim,
@@ -133,7 +133,7 @@ class AutoParallel:
         # in __enter__; the whole model's are kept here
         self._whole = (model, input_fn, mesh, hardware, gpus_per_node)
         self._whole_topology = self.topology
-        self.pipeline_config = PipelineConfig() if pipeline_mesh_dims(mesh) else None
+        self.pipeline_config = PipelineConfig() if is_pipeline_mesh(mesh) else None
         self.stage_setup: StageSetup | None = None
         self._entered_constraints: set[str] = set()
         self.solver_options = SolverOptions(time_limit_s=time_limit_s, relative_gap=relative_gap)

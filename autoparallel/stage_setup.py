@@ -78,7 +78,7 @@ class StageSetup:
         return self.stage.example_inputs
 
 
-def pipeline_mesh_dims(mesh: DeviceMesh) -> bool:
+def is_pipeline_mesh(mesh: DeviceMesh) -> bool:
     """Whether ``mesh`` asks for pipeline stages; raises PipelineError for a ``pp`` dim that is
     not the first or that is the only one."""
     names = tuple(mesh.mesh_dim_names or ())
