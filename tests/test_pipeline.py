@@ -19,12 +19,13 @@ from autoparallel.trace.stages import find_layer_stack, split_stages, stage_laye
 from autoparallel.types.pipeline import PipelineConfig, PipelineError
 
 
-def test_pipelined_training_equals_one_device(ranks):
+def test_pipelined_training_equals_one_device(ranks, tmp_path):
     """2 stages (pp) x 2 ranks splitting the rows (dp), 1F1B over 2 microbatches: the
     losses, the gradients of the first step and the parameters after two AdamW steps equal
-    the single-device run."""
+    the single-device run, and a DCP checkpoint of the stages loads them back."""
     expected = reference()
-    results = ranks(4).run(train_pipelined, "1f1b", 2, timeout_s=600)
+    results = ranks(4).run(train_pipelined, "1f1b", 2, str(tmp_path), timeout_s=600)
+    assert all(r["reloaded_equal"] for r in results)
     dp = 2
     assert [r["stage"] for r in results] == [0] * dp + [1] * dp  # pp is the outer dim
     assert results[0]["stages"] == (("layers.0",), ("layers.1",))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -53,10 +54,13 @@ def reference() -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def train_pipelined(rank: int, world_size: int, schedule: str, microbatches: int) -> dict[str, Any]:
+def train_pipelined(
+    rank: int, world_size: int, schedule: str, microbatches: int, checkpoint: str
+) -> dict[str, Any]:
     """Plan on a (2, world_size // 2) pp x dp gloo mesh with the schedule and microbatches
     fixed, then STEPS AdamW steps with ``pipe.step``: this rank's stage's losses per step
-    (last stage only), its gradients of step 0, its parameters after."""
+    (last stage only), its gradients of step 0, its parameters after, and whether a DCP
+    checkpoint in ``checkpoint`` (a directory) gives them back."""
     dp = world_size // 2
     mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp"))
     rows = (Replicate(), Shard(0))  # whole microbatches between stages, rows split over dp
@@ -80,12 +84,23 @@ def train_pipelined(rank: int, world_size: int, schedule: str, microbatches: int
         optimizer.step()
         if step_losses:  # the mean over the microbatches of this rank's rows
             losses.append(float(torch.stack(step_losses).detach().mean()))
+    params = full_params(pipe.module)
+    # a torch.distributed.checkpoint of every stage, loaded back over zeroed parameters
+    dcp.save(pipe.module.state_dict(), checkpoint_id=checkpoint)
+    with torch.no_grad():
+        for param in pipe.parameters():
+            param.zero_()
+    state = pipe.module.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint)
+    pipe.module.load_state_dict(state)
+    reloaded = full_params(pipe.module)
     return {
+        "reloaded_equal": all(torch.equal(params[k], reloaded[k]) for k in params),
         "stage": plan.pipeline.stage_index,
         "stages": plan.pipeline.stages,
         "losses": losses,
         "grads": grads,
-        "params": full_params(pipe.module),
+        "params": params,
         "input_placements": [str(p) for p in plan.input_placements],
         "pipeline": plan.pipeline,
     }
