@@ -108,6 +108,11 @@ def set_up_stage(
     rows_over = mesh.shape[1]
     batch = _batch_rows(args, kwargs)
     microbatches = config.microbatches or num_stages
+    if config.schedule == "1f1b" and microbatches < num_stages:
+        raise PipelineError(
+            f"1F1B needs at least as many microbatches as stages ({num_stages}), got "
+            f"{microbatches}: give microbatches >= {num_stages}, or schedule='gpipe'"
+        )
     if batch % (microbatches * rows_over):
         raise PipelineError(
             f"{microbatches} microbatches of the batch of {batch} split over "

@@ -93,6 +93,9 @@ def test_a_pipeline_that_cannot_run_is_refused_with_what_to_change(fake_mesh):
     with pytest.raises(PipelineError, match="3 microbatches of the batch of 8"):
         with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
             autop.add_pipeline_constraint(microbatches=3)
+    with pytest.raises(PipelineError, match="1F1B needs at least as many microbatches"):
+        with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
+            autop.add_pipeline_constraint(microbatches=1)
     with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
         autop.add_input_constraints([(Replicate(), Shard(0))])
         with pytest.raises(PipelineError, match="before the other constraints.*input:0"):
