@@ -67,6 +67,16 @@ class StageSetup:
     def is_last(self) -> bool:
         return self.stage.index == len(self.stages) - 1
 
+    @property
+    def microbatch_rows(self) -> int:
+        """Rows of a global microbatch: dim 0 of the stage's first input."""
+        return int(self.stage.example_inputs[0].shape[0])
+
+    def splits_rows(self, tensor: torch.Tensor) -> bool:
+        """Whether a tensor crossing a cut travels split by rows over the stage mesh's first
+        dim (its dim 0 is the microbatch's rows) rather than replicated."""
+        return tensor.ndim > 0 and tensor.shape[0] == self.microbatch_rows
+
     def pipeline_plan(
         self, cost: PipelineCost | None = None, memory: StageMemory | None = None
     ) -> PipelinePlan:
@@ -143,15 +153,10 @@ def boundary_placements(
 ) -> list[tuple[Placement, ...] | None]:
     """The pinned layout of each tensor crossing a cut (see the module docstring); ``tensors``
     are the stage's example inputs or outputs (None where not a tensor)."""
-    rows = setup.stage.example_inputs[0].shape[0] if setup.stage.example_inputs else None
     split = (Shard(0),) + (Replicate(),) * (ndim - 1)
     replicated = (Replicate(),) * ndim
     return [
-        None
-        if not isinstance(t, torch.Tensor)
-        else split
-        if t.ndim > 0 and t.shape[0] == rows
-        else replicated
+        None if not isinstance(t, torch.Tensor) else split if setup.splits_rows(t) else replicated
         for t in tensors
     ]
 
@@ -167,12 +172,8 @@ def priced_pipeline(
     sends = [t for t in outputs if isinstance(t, torch.Tensor)] if not setup.is_last else []
     if not setup.is_first:
         sends += [t for t in setup.stage.example_inputs if t.requires_grad]
-    rows = setup.stage.example_inputs[0].shape[0] if setup.stage.example_inputs else None
-    split = setup.mesh.shape[0]
-    local = [
-        t.numel() * t.element_size() / (split if t.ndim and t.shape[0] == rows else 1)
-        for t in sends
-    ]
+    ways = setup.mesh.shape[0]
+    local = [t.numel() * t.element_size() / (ways if setup.splits_rows(t) else 1) for t in sends]
     mine = (
         plan.totals.total_us
         - plan.totals.optimizer_us

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import replace
 from typing import Any
@@ -125,7 +126,7 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
         runs[name] = TimedRun(
             _pipeline_step(pipe, inputs[mine], targets[mine], losses[name]), None, {}
         )
-        activations[name] = (pipe, pipeline.memory.activations)
+        activations[name] = (pipe.module, pipeline.memory.activations)
     timings = round_robin(runs, args["rounds"], args["steps"] // args["rounds"], args["warmup"])
     # the first step's loss of the whole batch: dp's ranks each hold their rows' mean, the
     # pipeline's last-stage ranks their share (already divided by dp), the others 0
@@ -135,9 +136,7 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
     # one more step of each, counting the activations alive at once on this rank
     held = {
         name: (
-            measure_activation_peak(
-                runs[name].step, module.module if hasattr(module, "module") else module
-            ),
+            measure_activation_peak(runs[name].step, module),
             bytes_,
         )
         for name, (module, bytes_) in activations.items()
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         _rank, NPROC, args.model, args.batch, settings, timeout_s=args.timeout
     )
     rank0 = results[0]
-    steps = {name: _median(rank0["all_ms"][name]) for name in rank0["all_ms"]}
+    steps = {name: statistics.median(rank0["all_ms"][name]) for name in rank0["all_ms"]}
     reference = rank0["first_loss"]["dp"]
     records = []
     for name, step_ms in steps.items():
@@ -218,12 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_record:
         record("pipeline_step", records, argv)
     return 1 if failed else 0
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 if __name__ == "__main__":

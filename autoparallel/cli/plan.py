@@ -254,7 +254,7 @@ def _batch_split(autop: Any, nodes: list[Any], batch: int | None) -> list[Any]:
     stage = autop.stage_setup
     if stage is None:
         return batch_placements(nodes, batch, autop.mesh.ndim)
-    rows = int(stage.stage.example_inputs[0].shape[0]) if batch is not None else None
+    rows = stage.microbatch_rows if batch is not None else None
     inner = batch_placements(nodes, rows, autop.mesh.ndim)
     return [None if p is None else (Replicate(), *p) for p in inner]
 

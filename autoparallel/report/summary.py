@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autoparallel.report.template import format_bytes
+from autoparallel.types.pipeline import stage_spans
 
 __all__ = [
     "collapse_layers",
@@ -99,10 +100,7 @@ def pipeline_lines(data: Mapping[str, Any]) -> list[str]:
     p = data.get("pipeline")
     if not p:
         return []
-    stages = "; ".join(
-        f"stage {i}: {layers[0]}..{layers[-1]}" if len(layers) > 1 else f"stage {i}: {layers[0]}"
-        for i, layers in enumerate(p["stages"])
-    )
+    stages = "; ".join(stage_spans(p["stages"]))
     lines = [
         f"pipeline: {len(p['stages'])} stages, {p['schedule']}, {p['microbatches']} microbatches "
         f"({stages}); the placements below are stage {p['stage_index']}'s on the other mesh dims"

@@ -67,11 +67,11 @@ class ParallelPipeline:
 
     @property
     def is_first(self) -> bool:
-        return self.pipeline.stage_index == 0
+        return self.pipeline.is_first
 
     @property
     def is_last(self) -> bool:
-        return self.pipeline.stage_index == self.pipeline.num_stages - 1
+        return self.pipeline.is_last
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()

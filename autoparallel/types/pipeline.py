@@ -7,6 +7,7 @@ torch.distributed.pipelining's schedules)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -64,6 +65,14 @@ class PipelineConfig:
             )
 
 
+def stage_spans(stages: Sequence[Sequence[str]]) -> list[str]:
+    """``"stage i: first..last"`` (or its one layer) for every stage, in order."""
+    return [
+        f"stage {i}: {layers[0]}..{layers[-1]}" if len(layers) > 1 else f"stage {i}: {layers[0]}"
+        for i, layers in enumerate(stages)
+    ]
+
+
 @dataclass(frozen=True)
 class PipelineCost:
     """The predicted step of the pipeline (us; cost/pipeline.py): each stage's time for one
@@ -105,13 +114,16 @@ class PipelinePlan:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
     def describe(self) -> str:
-        spans = ", ".join(
-            f"stage {i}: {layers[0]}..{layers[-1]}"
-            if len(layers) > 1
-            else f"stage {i}: {layers[0]}"
-            for i, layers in enumerate(self.stages)
-        )
+        spans = ", ".join(stage_spans(self.stages))
         described = f"{self.schedule}, {self.microbatches} microbatches, {spans}"
         if self.cost is None:
             return described
