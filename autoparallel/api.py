@@ -10,7 +10,6 @@ step; ``optimize_placement`` solves; ``apply_placement`` builds the parallel mod
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from autoparallel.cost.tables import build_cost_tables
 from autoparallel.cost.topology import Topology
 from autoparallel.files.placements import check_compatible, load_placements, save_placements
 from autoparallel.optimizer import ShardingOptimizer
+from autoparallel.pipeline_planning import PipelinePlanning, recorded
 from autoparallel.problem.build import build_problem
 from autoparallel.problem.constraints import reduction_dtype_constraints, sharding_constraints
 from autoparallel.problem.folding import find_repeated_nodes
@@ -32,12 +32,10 @@ from autoparallel.runtime.module import apply_placement
 from autoparallel.runtime.pipeline import ParallelPipeline
 from autoparallel.solver.highs import SolverOptions
 from autoparallel.stage_setup import (
+    StageCut,
     StageSetup,
-    boundary_placements,
     check_materialized,
     is_pipeline_mesh,
-    priced_pipeline,
-    set_up_stage,
     without_pipeline_dim,
 )
 from autoparallel.strategies.space import build_strategy_space
@@ -45,14 +43,16 @@ from autoparallel.trace.export import trace_device, trace_joint
 from autoparallel.trace.mixed_precision import check_policy
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.kinds import ActivationCheckpointing
-from autoparallel.types.pipeline import PipelineConfig, PipelineError, ScheduleName
+from autoparallel.types.pipeline import (
+    PipelineConfig,
+)
 from autoparallel.types.placements import check_shard_dims, validate_placements
 from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
 
 
-class AutoParallel:
+class AutoParallel(PipelinePlanning):
     """Plan the parallelization of ``model`` on ``mesh``.
 
     Use as a context manager: entering traces the model with the *global* inputs returned
@@ -133,8 +133,24 @@ class AutoParallel:
         # in __enter__; the whole model's are kept here
         self._whole = (model, input_fn, mesh, hardware, gpus_per_node)
         self._whole_topology = self.topology
+        self._planner_options = dict(
+            hardware=hardware,
+            gpus_per_node=gpus_per_node,
+            time_limit_s=time_limit_s,
+            relative_gap=relative_gap,
+            fold=fold,
+            dynamic=dynamic,
+            trace_layers_once=trace_layers_once,
+        )
+        # the user's pipeline constraint; the setting planned now (schedule and microbatches
+        # decided), the model cut for it, and the stage this process plans (None: its rank's)
         self.pipeline_config = PipelineConfig() if is_pipeline_mesh(mesh) else None
+        self._setting: PipelineConfig | None = None
+        self._cut: StageCut | None = None
+        self._stage_index: int | None = None
         self.stage_setup: StageSetup | None = None
+        # the user's constraint calls since __enter__, replayed on another setting's stage
+        self._calls = []
         self._entered_constraints: set[str] = set()
         self.solver_options = SolverOptions(time_limit_s=time_limit_s, relative_gap=relative_gap)
         self.fold = fold
@@ -147,6 +163,7 @@ class AutoParallel:
     # ------------------------------------------------------------------ context manager
 
     def __enter__(self) -> AutoParallel:
+        self._calls = []
         # 0. Pipeline stages (a "pp" mesh dim only): cut the model and plan this rank's
         #    stage, on the mesh without pp, from here on (stage_setup.py).
         if self.pipeline_config is not None:
@@ -198,34 +215,6 @@ class AutoParallel:
     def __exit__(self, *exc: Any) -> None:
         return None
 
-    def _take_stage(self) -> None:
-        model, input_fn, mesh, hardware, gpus_per_node = self._whole
-        self.stage_setup = set_up_stage(model, input_fn(), mesh, self.pipeline_config)
-        self.model = self.stage_setup.stage.module
-        self.input_fn = self.stage_setup.input_fn
-        self.mesh = self.stage_setup.mesh
-        self.topology = Topology.from_mesh(
-            self.mesh, hardware=hardware, gpus_per_node=gpus_per_node
-        )
-        logger.info(
-            "pipeline: %s; this rank plans stage %d (%s) on %s",
-            self.stage_setup.pipeline_plan().describe(),
-            self.stage_setup.stage.index,
-            ", ".join(self.stage_setup.stage.layers),
-            self.mesh.mesh_dim_names,
-        )
-
-    def _pin_cuts(self) -> None:
-        setup, joint = self.stage_setup, self.sharding_optimizer.problem.joint
-        if not setup.is_first:
-            pinned = boundary_placements(setup, list(setup.stage.example_inputs), self.mesh.ndim)
-            self._add_boundary_constraints(pinned, joint.user_inputs, "input")
-        if not setup.is_last:
-            values = [None if o is None else o.meta["val"] for o in joint.user_outputs]
-            pinned = boundary_placements(setup, values, self.mesh.ndim)
-            nodes = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
-            self._add_boundary_constraints(pinned, nodes, "output")
-
     def _timed(self, stage: str, work: Callable[[], Any]) -> Any:
         start = time.perf_counter()
         result = work()
@@ -243,44 +232,7 @@ class AutoParallel:
             )
         return self._optimizer
 
-    def add_pipeline_constraint(
-        self,
-        schedule: ScheduleName | None = None,
-        microbatches: int | None = None,
-        stage_layers: tuple[int, ...] | None = None,
-    ) -> str:
-        """With a "pp" mesh dim: fix the schedule ("gpipe" or "1f1b"), the microbatches per
-        step, and/or how many layers of the layer stack each stage runs (see
-        :class:`PipelineConfig`). Call it before any other constraint: the stages are cut
-        and traced again. Raises PipelineError for a mesh without "pp", a setting that cannot
-        run (more stages than layers, microbatches that do not divide the local batch), or
-        constraints already added."""
-        if self.pipeline_config is None:
-            raise PipelineError(
-                "add_pipeline_constraint needs a mesh whose first dim is named 'pp'"
-            )
-        added = sorted(set(self.sharding_optimizer.constraints()) - self._entered_constraints)
-        if added:
-            raise PipelineError(
-                "add_pipeline_constraint must come before the other constraints (the stages "
-                f"are traced again); already added: {', '.join(added)}"
-            )
-        current = self.pipeline_config
-        self.pipeline_config = PipelineConfig(
-            schedule if schedule is not None else current.schedule,
-            microbatches if microbatches is not None else current.microbatches,
-            tuple(stage_layers) if stage_layers is not None else current.stage_layers,
-        )
-        same_cut = (self.pipeline_config.microbatches, self.pipeline_config.stage_layers) == (
-            current.microbatches,
-            current.stage_layers,
-        )
-        if same_cut:  # the schedule alone: the stage and its problem stay as they are
-            self.stage_setup = dataclasses.replace(self.stage_setup, config=self.pipeline_config)
-        else:
-            self.__enter__()
-        return f"pipeline: {self.stage_setup.pipeline_plan().describe()}"
-
+    @recorded
     def add_input_constraints(self, constraints: Sequence[Sequence | None]) -> list[str]:
         """One placement tuple per user-input tensor leaf (None leaves that input free).
 
@@ -294,6 +246,7 @@ class AutoParallel:
         joint = self.sharding_optimizer.problem.joint
         return self._add_boundary_constraints(constraints, joint.user_inputs, "input")
 
+    @recorded
     def add_output_constraints(self, constraints: Sequence[Sequence | None]) -> list[str]:
         """One placement tuple per user-output tensor leaf (None leaves that output free).
 
@@ -309,12 +262,14 @@ class AutoParallel:
         nodes = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
         return self._add_boundary_constraints(constraints, nodes, "output")
 
+    @recorded
     def add_parameter_memory_constraint(
         self, low: float | None = None, high: float | None = None
     ) -> str:
         """Bound parameter memory per device, in bytes (defaults push toward 1/world-size)."""
         return self.sharding_optimizer.add_parameter_memory_constraint(low, high)
 
+    @recorded
     def add_memory_constraint(
         self,
         budget_bytes: float,
@@ -346,7 +301,19 @@ class AutoParallel:
         (a tie between equally cheap plans can never split the ranks), and the ranks do not
         all run the solver at once. Otherwise (one process, the fake process group, a mesh
         over part of the world) this process solves.
+
+        With a "pp" mesh dim the plan is this rank's stage's, and ``plan.pipeline`` prices
+        the whole pipeline: each rank plans its stage and the stages' prices are exchanged
+        over the pp group (on a fake mesh this process plans every distinct stage itself).
+        Where the microbatches are not fixed, every setting of ``pipeline_settings`` is
+        planned (the stage cut and traced again, the user's constraints replayed) and the
+        fastest within the memory budget is kept (``plan.pipeline.options`` lists them).
         """
+        if self.stage_setup is not None:
+            return self._plan_pipeline(verbose)
+        return self._solve(verbose)
+
+    def _solve(self, verbose: bool) -> Plan:
         start = time.perf_counter()
         optimizer = self.sharding_optimizer
         if not _shares_plan(self.mesh):
@@ -363,9 +330,6 @@ class AutoParallel:
                 else optimizer.adopt(shared[0], verbose=verbose)
             )
         self.stage_times_s["solve"] = time.perf_counter() - start
-        if self.stage_setup is not None:
-            outputs = [None if o is None else o.meta["val"] for o in self.joint.user_outputs]
-            plan.pipeline = priced_pipeline(self.stage_setup, plan, outputs, self._whole_topology)
         return plan
 
     def save_placements(self, path: str, plan: Plan | None = None) -> None:
@@ -373,6 +337,7 @@ class AutoParallel:
         plan = plan or self.sharding_optimizer.get_solution()
         save_placements(plan, self.sharding_optimizer.problem.joint, path)
 
+    @recorded
     def load_placements(self, path: str) -> list[str]:
         """Pin the placements saved by :meth:`save_placements` as constraints (after checking
         the file against this mesh and traced graph); returns the constraint names."""

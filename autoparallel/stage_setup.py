@@ -1,16 +1,19 @@
-"""Orchestration of pipeline parallelism around the one-graph planner (no algorithm here).
+"""The pipeline stages' setup around the one-graph planner: the settings to try, the cut, a
+stage's place in the pipeline and its price (pipeline_planning.py orchestrates them).
 
 With a mesh dim named ``pp`` (the mesh's first), ``AutoParallel`` plans this rank's stage:
 
-    split the model at its layer stack (trace/stages.py)
-        -> this rank's stage: its module, its example microbatch, the mesh without ``pp``
+    a setting (``pipeline_settings``: microbatches, schedule)
+        -> the model cut at its layer stack for it (``cut_model``, trace/stages.py)
+        -> this rank's stage (``StageCut.take``): its module, its example microbatch, the
+           mesh without ``pp``
         -> the usual pipeline on that stage (trace ... solve), with the stage boundaries
-           pinned (below)
+           pinned (below), priced as one stage of the pipeline (``stage_price``)
         -> apply_placement: the stage's parallel module inside a torch.distributed.pipelining
            schedule (runtime/pipeline.py)
 
-Ordering contract: the split needs the pipeline settings (layers per stage, microbatches), so
-they are fixed before the stage is traced (``add_pipeline_constraint`` re-plans from here).
+Ordering contract: the cut needs the setting (layers per stage, microbatches), so it is
+fixed before the stage is traced; another setting is another cut and another trace.
 Each rank plans its own stage; what two stages must agree on is only the layout of the
 tensors they pass, so every tensor crossing a cut is pinned: split by rows over the first
 mesh dim after ``pp`` when its dim 0 is the microbatch's rows (the hidden states), replicated
@@ -29,21 +32,15 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoparallel._torch_internals import tree_flatten
-from autoparallel.cost.pipeline import (
-    microbatches_in_flight,
-    pipeline_cost,
-    stage_memory,
-    transfer_us,
-)
+from autoparallel.cost.pipeline import transfer_us
 from autoparallel.cost.topology import Topology
 from autoparallel.trace.stages import StageModule, split_stages
 from autoparallel.types.pipeline import (
     PIPELINE_DIM,
     PipelineConfig,
-    PipelineCost,
     PipelineError,
     PipelinePlan,
-    StageMemory,
+    StagePrice,
 )
 from autoparallel.types.plan import Plan
 
@@ -56,8 +53,11 @@ class StageSetup:
     stages: tuple[tuple[str, ...], ...]  # the layers of every stage, in order
     mesh: DeviceMesh  # the mesh without the pp dim: what the stage is planned on
     pp_mesh: DeviceMesh  # the 1-D mesh of this rank's pipeline (its group moves activations)
-    config: PipelineConfig
-    microbatches: int
+    config: PipelineConfig  # schedule and microbatches decided
+
+    @property
+    def microbatches(self) -> int:
+        return self.config.microbatches
 
     @property
     def is_first(self) -> bool:
@@ -77,12 +77,9 @@ class StageSetup:
         dim (its dim 0 is the microbatch's rows) rather than replicated."""
         return tensor.ndim > 0 and tensor.shape[0] == self.microbatch_rows
 
-    def pipeline_plan(
-        self, cost: PipelineCost | None = None, memory: StageMemory | None = None
-    ) -> PipelinePlan:
-        return PipelinePlan(
-            self.config.schedule, self.microbatches, self.stages, self.stage.index, cost, memory
-        )
+    def pipeline_plan(self) -> PipelinePlan:
+        """The pipeline this stage runs in, not priced yet."""
+        return PipelinePlan(self.config.schedule, self.microbatches, self.stages, self.stage.index)
 
     def input_fn(self) -> tuple[torch.Tensor, ...]:
         return self.stage.example_inputs
@@ -106,18 +103,61 @@ def is_pipeline_mesh(mesh: DeviceMesh) -> bool:
     return True
 
 
-def set_up_stage(
-    model: nn.Module, global_inputs: Any, mesh: DeviceMesh, config: PipelineConfig
-) -> StageSetup:
-    """Split ``model`` for ``mesh``'s pp dim and take this rank's stage (see the module
-    docstring). ``global_inputs``: what ``input_fn()`` returned (the global batch)."""
-    args, kwargs = _as_args(global_inputs)
-    num_stages = mesh.shape[0]
-    rest = mesh.mesh_dim_names[1:]
-    stage_mesh = mesh[rest] if len(rest) > 1 else mesh[rest[0]]
-    rows_over = mesh.shape[1]
-    batch = _batch_rows(args, kwargs)
-    microbatches = config.microbatches or num_stages
+@dataclass(frozen=True)
+class StageCut:
+    """The model cut into its stages for one pipeline setting (every stage: a process that
+    plans several stages takes them all from one cut). ``config`` is the setting with its
+    schedule and microbatches decided."""
+
+    stages: tuple[StageModule, ...]
+    config: PipelineConfig
+
+    def take(self, mesh: DeviceMesh, index: int | None = None) -> StageSetup:
+        """Stage ``index`` (default: this rank's coordinate on ``mesh``'s pp dim)."""
+        rest = mesh.mesh_dim_names[1:]
+        return StageSetup(
+            self.stages[mesh.get_local_rank(PIPELINE_DIM) if index is None else index],
+            tuple(s.layers for s in self.stages),
+            mesh[rest] if len(rest) > 1 else mesh[rest[0]],
+            mesh[PIPELINE_DIM],
+            self.config,
+        )
+
+
+def pipeline_settings(
+    global_inputs: Any, mesh: DeviceMesh, config: PipelineConfig
+) -> tuple[PipelineConfig, ...]:
+    """The settings to plan, the user's fixed parts kept, the first the one planned first.
+
+    Microbatches, where the user left them open: every count dividing the rows each rank of
+    the mesh's first dim after ``pp`` gets, from the number of stages up to four times it
+    (fewer leave a stage idle for longer than it works; the planner prices each); where the
+    batch has fewer rows than that, the largest count it has. Schedule: 1F1B where there are
+    at least as many microbatches as stages, else GPipe; the two take the same time (see
+    cost/pipeline.py), 1F1B holding fewer microbatches' activations."""
+    num_stages, rows_over = mesh.shape[0], mesh.shape[1]
+    batch = _batch_rows(*_as_args(global_inputs))
+    if config.microbatches is not None:
+        counts = [config.microbatches]
+    else:
+        local = batch // rows_over if batch % rows_over == 0 else batch
+        divisors = [m for m in range(1, local + 1) if local % m == 0]
+        counts = [m for m in divisors if num_stages <= m <= 4 * num_stages]
+        counts = counts or [max(m for m in divisors if m < num_stages)]
+    return tuple(
+        PipelineConfig(
+            config.schedule or ("1f1b" if m >= num_stages else "gpipe"), m, config.stage_layers
+        )
+        for m in counts
+    )
+
+
+def check_setting(config: PipelineConfig, global_inputs: Any, mesh: DeviceMesh) -> None:
+    """Raise PipelineError for a setting that cannot run: 1F1B with fewer microbatches than
+    stages (torch's schedule refuses it), microbatches that do not divide each rank's rows."""
+    num_stages, rows_over = mesh.shape[0], mesh.shape[1]
+    batch = _batch_rows(*_as_args(global_inputs))
+    microbatches = config.microbatches
     if config.schedule == "1f1b" and microbatches < num_stages:
         raise PipelineError(
             f"1F1B needs at least as many microbatches as stages ({num_stages}), got "
@@ -126,26 +166,29 @@ def set_up_stage(
     if batch % (microbatches * rows_over):
         raise PipelineError(
             f"{microbatches} microbatches of the batch of {batch} split over "
-            f"'{rest[0]}' ({rows_over} ways) do not divide it: choose microbatches dividing "
+            f"'{mesh.mesh_dim_names[1]}' ({rows_over} ways) do not divide it: choose "
+            "microbatches dividing "
             f"{batch // rows_over if batch % rows_over == 0 else batch} per rank"
         )
-    piece = batch // microbatches
+
+
+def cut_model(
+    model: nn.Module, global_inputs: Any, mesh: DeviceMesh, config: PipelineConfig
+) -> StageCut:
+    """Split ``model`` for ``mesh``'s pp dim under ``config`` (one of ``pipeline_settings``:
+    schedule and microbatches decided; checked by ``check_setting``). ``global_inputs``:
+    what ``input_fn()`` returned (the global batch)."""
+    check_setting(config, global_inputs, mesh)
+    args, kwargs = _as_args(global_inputs)
+    piece = _batch_rows(args, kwargs) // config.microbatches
     stages = split_stages(
         model,
         tuple(_rows(a, piece) for a in args),
         {k: _rows(v, piece) for k, v in kwargs.items()},
-        num_stages,
+        mesh.shape[0],
         config.stage_layers,
     )
-    index = mesh.get_local_rank(PIPELINE_DIM)
-    return StageSetup(
-        stages[index],
-        tuple(s.layers for s in stages),
-        stage_mesh,
-        mesh[PIPELINE_DIM],
-        config,
-        microbatches,
-    )
+    return StageCut(tuple(stages), config)
 
 
 def boundary_placements(
@@ -161,44 +204,49 @@ def boundary_placements(
     ]
 
 
-def priced_pipeline(
-    setup: StageSetup, plan: Plan, outputs: list[Any], whole: Topology
-) -> PipelinePlan:
-    """The pipeline of ``plan`` with its predicted step (cost/pipeline.py): this stage's
-    microbatch time is its plan's step less the optimizer, plus its sends on the pp dim (its
-    outputs forward, its inputs' gradients back); the stages' times are exchanged over the pp
-    group. Collective over the pp group on a real mesh; on a fake one (one process plans one
-    stage) the other stages are unknown and the cost is None."""
+def stage_price(setup: StageSetup, plan: Plan, outputs: list[Any], whole: Topology) -> StagePrice:
+    """The stage's plan as the pipeline prices it: its step less the optimizer, plus its
+    sends on the pp dim (its outputs forward, its inputs' gradients back), per microbatch."""
     sends = [t for t in outputs if isinstance(t, torch.Tensor)] if not setup.is_last else []
     if not setup.is_first:
         sends += [t for t in setup.stage.example_inputs if t.requires_grad]
     ways = setup.mesh.shape[0]
     local = [t.numel() * t.element_size() / (ways if setup.splits_rows(t) else 1) for t in sends]
-    mine = (
-        plan.totals.total_us
-        - plan.totals.optimizer_us
+    totals, memory = plan.totals, plan.memory
+    return StagePrice(
+        microbatch_us=totals.total_us
+        - totals.optimizer_us
         + sum(transfer_us(nbytes, whole) for nbytes in local),
-        plan.totals.optimizer_us,
+        optimizer_us=totals.optimizer_us,
+        peak_bytes=None if memory is None else float(memory.peak),
+        activation_bytes=None if memory is None else float(memory.activations),
     )
-    in_flight = microbatches_in_flight(
-        setup.config.schedule, setup.stage.index, len(setup.stages), setup.microbatches
-    )
-    memory = None if plan.memory is None else stage_memory(plan.memory, in_flight)
-    everyone = _gathered(mine, setup.pp_mesh)
-    if everyone is None:
-        return setup.pipeline_plan(memory=memory)
-    cost = pipeline_cost([t for t, _ in everyone], [o for _, o in everyone], setup.microbatches)
-    return setup.pipeline_plan(cost, memory)
 
 
-def _gathered(mine: tuple[float, float], pp_mesh: DeviceMesh) -> list[Any] | None:
+def exchanged_prices(mine: StagePrice | None, setup: StageSetup) -> list[StagePrice | None] | None:
+    """Every stage's price, in stage order, from every rank of this rank's pipeline (None
+    for a stage without a plan within the constraints); collective over the pp group. None
+    where the mesh is fake: no peer plans the other stages, the caller plans them itself."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return None
-    everyone: list[Any] = [None] * pp_mesh.size()
-    dist.all_gather_object(everyone, mine, group=pp_mesh.get_group())
+    everyone: list[Any] = [None] * setup.pp_mesh.size()
+    dist.all_gather_object(everyone, mine, group=setup.pp_mesh.get_group())
     return everyone
+
+
+def same_stage_graph(cut: StageCut, first: int, second: int) -> bool:
+    """Whether two stages of ``cut`` plan alike: the same number of layers, neither the first
+    nor the last (which hold the embedding and the head), inputs of the same shapes."""
+    a, b = cut.stages[first], cut.stages[second]
+    ends = {0, len(cut.stages) - 1}
+    return (
+        first not in ends
+        and second not in ends
+        and len(a.layers) == len(b.layers)
+        and [t.shape for t in a.example_inputs] == [t.shape for t in b.example_inputs]
+    )
 
 
 def check_materialized(setup: StageSetup) -> None:

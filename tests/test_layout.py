@@ -21,7 +21,7 @@ MAX_LINES = 600
 # modules that may sit at the package's top level: orchestration, the facade above the
 # solver, the questions that need a Problem, and the wrapper of torch's private APIs
 # orchestration above the stages: AutoParallel, the optimizer facade, explain, the mesh search,
-# the pipeline stages' setup
+# the pipeline stages' setup and the pipeline side of AutoParallel
 TOP_LEVEL = {
     "__init__",
     "api",
@@ -29,6 +29,7 @@ TOP_LEVEL = {
     "explain",
     "mesh_search",
     "stage_setup",
+    "pipeline_planning",
     "_torch_internals",
 }
 

@@ -4,6 +4,7 @@ its stage on the other dims, torch.distributed.pipelining's schedule runs the st
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -95,7 +96,9 @@ def test_a_pipeline_that_cannot_run_is_refused_with_what_to_change(fake_mesh):
             autop.add_pipeline_constraint(microbatches=3)
     with pytest.raises(PipelineError, match="1F1B needs at least as many microbatches"):
         with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
-            autop.add_pipeline_constraint(microbatches=1)
+            autop.add_pipeline_constraint(schedule="1f1b", microbatches=1)
+    with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:  # the schedule left open: GPipe
+        assert autop.add_pipeline_constraint(microbatches=1).startswith("pipeline: gpipe, 1 ")
     with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
         autop.add_input_constraints([(Replicate(), Shard(0))])
         with pytest.raises(PipelineError, match="before the other constraints.*input:0"):
@@ -113,30 +116,54 @@ def test_a_pipeline_that_cannot_run_is_refused_with_what_to_change(fake_mesh):
 
 
 def test_a_pipelined_plan_says_its_stages(fake_mesh):
-    """On a fake mesh, as one process plans for a cluster, this process is rank 0: it plans
-    the first stage on dp, and the plan carries the pipeline."""
+    """On a fake mesh, as one process plans for a cluster, this process is rank 0: its plan
+    is the first stage's on dp, and it plans the last stage too to price the pipeline."""
     with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
         autop.add_pipeline_constraint(schedule="gpipe", microbatches=2)
         autop.add_input_constraints([(Replicate(), Shard(0))])
         plan = autop.optimize_placement()
     assert plan.mesh_dim_names == ("dp",) and plan.mesh_shape == (2,)
-    assert plan.pipeline.describe() == "gpipe, 2 microbatches, stage 0: layers.0, stage 1: layers.1"
+    assert plan.pipeline.describe().startswith(
+        "gpipe, 2 microbatches, stage 0: layers.0, stage 1: layers.1; predicted step "
+    )
     pipeline = plan_json(plan)["pipeline"]
-    memory = pipeline.pop("memory")
-    assert pipeline == {
-        "schedule": "gpipe",
-        "microbatches": 2,
-        "stages": [["layers.0"], ["layers.1"]],
-        "stage_index": 0,
-        "cost": None,  # one process plans one stage: the others' times are not known here
-    }
-    # GPipe: both microbatches' activations held at once
-    assert memory["in_flight"] == 2
-    assert memory["activations"] == pytest.approx(2 * plan.memory.activations)
+    assert (pipeline["schedule"], pipeline["microbatches"], pipeline["stage_index"]) == (
+        "gpipe",
+        2,
+        0,
+    )
+    assert pipeline["stages"] == [["layers.0"], ["layers.1"]]
+    # both stages priced: the first's time is this plan's step less its optimizer, plus its send
+    cost = plan.pipeline.cost
+    assert len(cost.stage_microbatch_us) == 2
+    assert cost.stage_microbatch_us[0] > plan.totals.total_us - plan.totals.optimizer_us
+    times = cost.stage_microbatch_us
+    assert cost.bubble_us == pytest.approx(sum(times) - max(times))  # two microbatches
+    assert cost.step_us >= sum(times) + max(times)  # and the slowest optimizer step
+    # GPipe: both microbatches' activations held at once, on every stage
+    assert [m["in_flight"] for m in pipeline["stage_memory"]] == [2, 2]
+    assert pipeline["memory"]["activations"] == pytest.approx(2 * plan.memory.activations)
     assert "layers.1.attention.wq.weight" not in plan.param_placements
     assert "tok_embeddings.weight" in plan.param_placements
     # the hidden states leave the first stage split by rows over dp, as stage 1 takes them
     assert [str(p) for p in plan.output_placements[0]] == [str(Shard(0))]
+
+
+def test_the_planner_prices_each_microbatch_count_and_keeps_the_fastest(fake_mesh):
+    """Microbatches left open: every count from the stages (2) to four times that dividing
+    the 4 rows each dp rank gets is planned, the user's constraints replayed on each, and
+    the fastest kept; a memory budget that only the fewer in flight fit decides it."""
+    with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
+        autop.add_input_constraints([(Replicate(), Shard(0))])
+        plan = autop.optimize_placement()
+    options = plan.pipeline.options
+    assert [(o.schedule, o.microbatches) for o in options] == [("1f1b", 2), ("1f1b", 4)]
+    fastest = min(options, key=lambda o: o.step_us)
+    assert plan.pipeline.microbatches == fastest.microbatches
+    assert plan.pipeline.cost.step_us == pytest.approx(fastest.step_us)
+    # the kept setting's own stage: its input rows are the chosen microbatch's, split over dp
+    assert plan.input_placements[0] == (Shard(0),)
+    assert autop.stage_setup.microbatch_rows == 8 // fastest.microbatches
 
 
 def test_the_command_plans_a_pipeline_stage_and_says_so(tmp_path):
@@ -144,9 +171,11 @@ def test_the_command_plans_a_pipeline_stage_and_says_so(tmp_path):
     args = ["plan", "--model", "tiny", "--mesh", "2x2", "--mesh-names", "pp,dp"]
     result = run_cli(*args, "--batch", "8", "--seq", "32", "--no-save", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "pipeline: 2 stages, 1f1b, 2 microbatches (stage 0: layers.0; stage 1: layers.1)" in (
-        result.stdout
+    assert re.search(
+        r"pipeline: 2 stages, 1f1b, [24] microbatches \(stage 0: layers.0; stage 1: layers.1\)",
+        result.stdout,
     )
+    assert re.search(r"pipeline settings priced: 1f1b x2 .*; 1f1b x4 ", result.stdout)
     data = json.loads(out.read_text())
     assert data["pipeline"]["stage_index"] == 0 and data["mesh"]["dim_names"] == ["dp"]
     assert data["inputs"][0]["placements"].startswith("S(0)")  # the microbatch's rows over dp
@@ -163,13 +192,32 @@ def test_the_pipeline_step_is_the_slowest_stage_times_the_microbatches_plus_the_
 
 
 def test_a_stage_holds_the_activations_of_the_microbatches_its_schedule_keeps_in_flight():
-    from autoparallel.cost.pipeline import microbatches_in_flight, stage_memory
-    from autoparallel.types.memory import MemoryEstimate
+    from autoparallel.cost.pipeline import microbatches_in_flight, price_stages
+    from autoparallel.types.pipeline import StagePrice
 
     # 1F1B: stage i runs (stages - i) forwards before its first backward; GPipe all of them
     assert [microbatches_in_flight("1f1b", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
     assert microbatches_in_flight("1f1b", 0, 4, 2) == 2
     assert microbatches_in_flight("gpipe", 3, 4, 8) == 8
-    one = MemoryEstimate("adamw", 10.0, 10.0, 20.0, 5.0, 1.0, 46.0, "backward")
-    held = stage_memory(one, 3)
-    assert (held.in_flight, held.activations, held.peak) == (3, 15.0, 56.0)
+    stage = StagePrice(10.0, 1.0, peak_bytes=46.0, activation_bytes=5.0)
+    _, memory = price_stages("1f1b", 8, [stage, stage, stage])
+    assert [(m.in_flight, m.activations, m.peak) for m in memory] == [
+        (3, 15.0, 56.0),
+        (2, 10.0, 51.0),
+        (1, 5.0, 46.0),
+    ]
+
+
+def test_the_fastest_setting_within_the_budget_is_kept():
+    from autoparallel.cost.pipeline import choose_option
+    from autoparallel.types.pipeline import PipelineOption
+
+    options = [
+        PipelineOption("1f1b", 2, 100.0, peak_bytes=50.0),
+        PipelineOption("1f1b", 4, 80.0, peak_bytes=70.0),
+        PipelineOption("1f1b", 8, None),  # a stage had no plan within the constraints
+    ]
+    assert choose_option(options, None) == 1
+    assert choose_option(options, 60.0) == 0
+    assert choose_option(options, 40.0) == 0  # none fits: the smallest peak
+    assert choose_option(options[2:], None) == -1

@@ -191,7 +191,8 @@ def _planned(
         joint = autop.sharding_optimizer.problem.joint
         outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
         autop.add_input_constraints(_batch_split(autop, joint.user_inputs, request.batch))
-        autop.add_output_constraints(_batch_split(autop, outputs, request.batch))
+        if autop.stage_setup is None:  # with pp these are the first stage's, pinned by the cut
+            autop.add_output_constraints(_batch_split(autop, outputs, request.batch))
         if request.parameter_memory == "default":
             autop.add_parameter_memory_constraint()
         elif request.parameter_memory is not None:

@@ -19,8 +19,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autoparallel.cost.topology import Topology
-from autoparallel.types.memory import MemoryEstimate
-from autoparallel.types.pipeline import PipelineCost, ScheduleName, StageMemory
+from autoparallel.types.pipeline import (
+    PipelineCost,
+    PipelineOption,
+    ScheduleName,
+    StageMemory,
+    StagePrice,
+)
 
 
 def transfer_us(nbytes: float, topology: Topology, mesh_dim: int = 0) -> float:
@@ -41,15 +46,6 @@ def microbatches_in_flight(
     return min(num_stages - stage_index, microbatches)
 
 
-def stage_memory(memory: MemoryEstimate, in_flight: int) -> StageMemory:
-    """The stage plan's memory (one microbatch's activations) with ``in_flight`` of them."""
-    return StageMemory(
-        in_flight=in_flight,
-        activations=float(in_flight * memory.activations),
-        peak=float(memory.peak + (in_flight - 1) * memory.activations),
-    )
-
-
 def pipeline_cost(
     microbatch_us: Sequence[float], optimizer_us: Sequence[float], microbatches: int
 ) -> PipelineCost:
@@ -62,3 +58,47 @@ def pipeline_cost(
         bubble_us=float(flow - microbatches * slowest),
         step_us=float(flow + max(optimizer_us)),
     )
+
+
+def price_stages(
+    schedule: ScheduleName, microbatches: int, prices: Sequence[StagePrice]
+) -> tuple[PipelineCost, tuple[StageMemory | None, ...]]:
+    """The step of stages priced ``prices`` (in stage order) and each stage's memory under
+    ``schedule``."""
+    cost = pipeline_cost(
+        [p.microbatch_us for p in prices], [p.optimizer_us for p in prices], microbatches
+    )
+    memory = tuple(
+        None
+        if price.peak_bytes is None or price.activation_bytes is None
+        else _held(price, microbatches_in_flight(schedule, index, len(prices), microbatches))
+        for index, price in enumerate(prices)
+    )
+    return cost, memory
+
+
+def _held(price: StagePrice, in_flight: int) -> StageMemory:
+    return StageMemory(
+        in_flight=in_flight,
+        activations=float(in_flight * price.activation_bytes),
+        peak=float(price.peak_bytes + (in_flight - 1) * price.activation_bytes),
+    )
+
+
+def choose_option(options: Sequence[PipelineOption], budget_bytes: float | None) -> int:
+    """The index of the fastest option whose largest stage peak fits ``budget_bytes`` (the
+    fewer microbatches on a tie: they are listed in increasing order); where none fits, the
+    one with the smallest peak; -1 where no option has a plan."""
+    planned = [i for i, o in enumerate(options) if o.step_us is not None]
+    if not planned:
+        return -1
+    fitting = [
+        i
+        for i in planned
+        if budget_bytes is None
+        or options[i].peak_bytes is None
+        or options[i].peak_bytes <= budget_bytes
+    ]
+    if fitting:
+        return min(fitting, key=lambda i: options[i].step_us)
+    return min(planned, key=lambda i: options[i].peak_bytes)

@@ -39,6 +39,7 @@ from typing import Any
 
 from autoparallel.cost.matmul_table import MatmulTable
 from autoparallel.cost.topology import Topology
+from autoparallel.types.pipeline import StageMemory
 from autoparallel.types.placements import placement_str
 from autoparallel.types.plan import Plan
 
@@ -190,8 +191,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 
 
 def _pipeline(plan: Plan) -> dict[str, Any] | None:
-    """With a "pp" mesh dim: the schedule, microbatches, every stage's layers, and which
-    stage this plan's placements are of (its mesh is the mesh without pp)."""
+    """With a "pp" mesh dim: the schedule, microbatches, every stage's layers, which stage
+    this plan's placements are of (its mesh is the mesh without pp), the predicted step,
+    every stage's memory under the schedule, and the settings the planner priced."""
     pipeline = plan.pipeline
     if pipeline is None:
         return None
@@ -207,13 +209,27 @@ def _pipeline(plan: Plan) -> dict[str, Any] | None:
             "bubble_us": json_float(pipeline.cost.bubble_us),
             "step_us": json_float(pipeline.cost.step_us),
         },
-        "memory": None
-        if pipeline.memory is None
-        else {
-            "in_flight": pipeline.memory.in_flight,
-            "activations": json_float(pipeline.memory.activations),
-            "peak": json_float(pipeline.memory.peak),
-        },
+        "memory": _stage_memory(pipeline.memory),
+        "stage_memory": [_stage_memory(m) for m in pipeline.stage_memory],
+        "options": [
+            {
+                "schedule": o.schedule,
+                "microbatches": o.microbatches,
+                "step_us": None if o.step_us is None else json_float(o.step_us),
+                "peak": None if o.peak_bytes is None else json_float(o.peak_bytes),
+            }
+            for o in pipeline.options
+        ],
+    }
+
+
+def _stage_memory(memory: StageMemory | None) -> dict[str, Any] | None:
+    if memory is None:
+        return None
+    return {
+        "in_flight": memory.in_flight,
+        "activations": json_float(memory.activations),
+        "peak": json_float(memory.peak),
     }
 
 

@@ -112,13 +112,28 @@ def pipeline_lines(data: Mapping[str, Any]) -> list[str]:
             f"pipeline step: {_fmt_us(cost['step_us'])} predicted, bubble "
             f"{_fmt_us(cost['bubble_us'])}; a microbatch per stage: {per_stage}"
         )
-    memory = p.get("memory")
-    if memory:
+    held = [m for m in p.get("stage_memory") or [] if m]
+    if len(held) == len(p["stages"]):
         lines.append(
-            f"pipeline memory of stage {p['stage_index']}: {memory['in_flight']} microbatches' "
-            f"activations in flight ({format_bytes(memory['activations'])}), peak {format_bytes(memory['peak'])}"
+            "pipeline memory: "
+            + ", ".join(
+                f"stage {i} peak {format_bytes(m['peak'])} ({m['in_flight']} microbatches "
+                "in flight)"
+                for i, m in enumerate(held)
+            )
         )
+    options = p.get("options") or []
+    if len(options) > 1:
+        lines.append("pipeline settings priced: " + "; ".join(_option(o) for o in options))
     return lines
+
+
+def _option(option: Mapping[str, Any]) -> str:
+    head = f"{option['schedule']} x{option['microbatches']}"
+    if option["step_us"] is None:
+        return f"{head} no plan"
+    peak = "" if option["peak"] is None else f" peak {format_bytes(option['peak'])}"
+    return f"{head} {_fmt_us(option['step_us'])}{peak}"
 
 
 def _header_lines(data: Mapping[str, Any]) -> list[str]:
@@ -234,8 +249,9 @@ def totals_lines(data: Mapping[str, Any]) -> list[str]:
     share = (lambda v: f"{100 * v / whole:.1f}%") if whole > 0 else (lambda v: "-")
     hidden = float(t.get("hidden_comm_us") or 0.0)
     hiding = f" - hidden {_fmt_us(hidden)}" if hidden > 0 else ""
+    per = "per microbatch of this stage" if data.get("pipeline") else "per step"
     lines = [
-        f"total cost: {_fmt_us(t.get('total_us'))} per step = comm {_fmt_us(comm)} + compute {_fmt_us(compute)} "
+        f"total cost: {_fmt_us(t.get('total_us'))} {per} = comm {_fmt_us(comm)} + compute {_fmt_us(compute)} "
         f"+ transition {_fmt_us(transition)}{hiding}",
         f"share: comm {share(comm)}, compute {share(compute)}, transition {share(transition)}",
     ]

@@ -29,22 +29,24 @@ class PipelineError(ValueError):
 class PipelineConfig:
     """What the user fixed with ``add_pipeline_constraint`` (None: the default below).
 
-    schedule: "1f1b" by default (one microbatch's activations in flight per stage ahead of
-        its backward, where GPipe keeps all of them).
-    microbatches: how many pieces each rank's batch is cut into; by default as many as there
-        are stages (each must then divide the local batch).
+    schedule: chosen by default: "1f1b" where there are at least as many microbatches as
+        stages (one microbatch's activations in flight per stage ahead of its backward, where
+        GPipe keeps all of them), else "gpipe".
+    microbatches: how many pieces each rank's batch is cut into; by default the planner
+        prices every count from the number of stages to four times it that divides the
+        local batch, and keeps the fastest (stage_setup.py's ``pipeline_settings``).
     stage_layers: how many layers of the model's layer stack each stage runs, first stage
         first (they sum to the stack's length); by default as even as possible, earlier
         stages taking the remainder. The embedding goes with the first stage, everything
         after the stack with the last.
     """
 
-    schedule: ScheduleName = "1f1b"
+    schedule: ScheduleName | None = None
     microbatches: int | None = None
     stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
             raise PipelineError(
                 f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
             )
@@ -85,6 +87,36 @@ class PipelineCost:
 
 
 @dataclass(frozen=True)
+class StagePrice:
+    """One stage's plan as the pipeline prices it (us; bytes per device): one microbatch's
+    forward and backward with the stage's sends on the pp link, its optimizer step, and its
+    peak memory with one microbatch's activations and those activations' bytes (None
+    without a memory estimate)."""
+
+    microbatch_us: float
+    optimizer_us: float
+    peak_bytes: float | None = None
+    activation_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class PipelineOption:
+    """A pipeline setting the planner priced: its predicted step and the largest stage peak
+    under it (None where a stage had no plan within the constraints)."""
+
+    schedule: ScheduleName
+    microbatches: int
+    step_us: float | None
+    peak_bytes: float | None = None
+
+    def describe(self) -> str:
+        if self.step_us is None:
+            return f"{self.schedule} x{self.microbatches}: no plan within the constraints"
+        peak = "" if self.peak_bytes is None else f", peak {self.peak_bytes / 2**30:.2f} GiB"
+        return f"{self.schedule} x{self.microbatches}: step {self.step_us / 1e3:.2f} ms{peak}"
+
+
+@dataclass(frozen=True)
 class StageMemory:
     """This rank's stage under the schedule (bytes per device): how many microbatches'
     activations it holds at once, their bytes, and its peak (the stage plan's peak, which
@@ -106,9 +138,16 @@ class PipelinePlan:
     microbatches: int
     stages: tuple[tuple[str, ...], ...]
     stage_index: int
-    # None where the other stages' plans are not known here (a fake mesh plans one stage)
     cost: PipelineCost | None = None
-    memory: StageMemory | None = None  # this rank's stage
+    # every stage's memory under the schedule (None where it has no memory estimate)
+    stage_memory: tuple[StageMemory | None, ...] = ()
+    # the settings the planner priced, this one among them
+    options: tuple[PipelineOption, ...] = ()
+
+    @property
+    def memory(self) -> StageMemory | None:
+        """This rank's stage's memory under the schedule."""
+        return self.stage_memory[self.stage_index] if self.stage_memory else None
 
     @property
     def num_stages(self) -> int:

@@ -1,0 +1,289 @@
+"""The pipeline side of ``AutoParallel`` (orchestration; the algorithms are in
+stage_setup.py, cost/pipeline.py and trace/stages.py).
+
+With a "pp" mesh dim, ``AutoParallel`` (api.py) takes this class's methods:
+
+    __enter__ step 0: _take_stage    cut the model for the setting planned now, take this
+                                     rank's stage (stage_setup.py)
+    __enter__ step 8: _pin_cuts      the tensors crossing a cut keep the layout both stages
+                                     expect
+    optimize_placement: _plan_pipeline
+        for each setting of ``pipeline_settings`` (one where the user fixed microbatches):
+            plan this rank's stage under it (cut and traced again, the user's recorded
+            constraint calls replayed)
+            -> every stage's price: exchanged over the pp group, or on a fake mesh (no peer
+               plans the other stages) planned here, stages that plan alike once
+        -> the fastest setting within the memory budget (cost/pipeline.py's choose_option),
+           this object left holding its stage, problem and plan
+
+Ordering contract: the stage's graph depends on the setting (its microbatch's shapes), so a
+setting other than the first is planned by entering again; the user's constraints were
+written against the first and are replayed, which is why the public constraint methods are
+``@recorded``. A constraint added on the sharding optimizer directly cannot be replayed (it
+names nodes of one stage's graph): then only the first setting is planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autoparallel.cost.pipeline import choose_option, price_stages
+from autoparallel.cost.topology import Topology
+from autoparallel.solver.highs import InfeasibleConstraintsError
+from autoparallel.stage_setup import (
+    StageCut,
+    StageSetup,
+    boundary_placements,
+    check_setting,
+    cut_model,
+    exchanged_prices,
+    pipeline_settings,
+    same_stage_graph,
+    stage_price,
+)
+from autoparallel.types.pipeline import (
+    PipelineConfig,
+    PipelineError,
+    PipelineOption,
+    ScheduleName,
+    StagePrice,
+)
+from autoparallel.types.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _ConstraintCall:
+    """A constraint call of the public API, kept to be replayed on the stage of another
+    pipeline setting; ``names``: the constraints it added."""
+
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    names: tuple[str, ...]
+
+
+def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Record a successful call of a public constraint method (not the calls it makes)."""
+
+    @functools.wraps(method)
+    def call(self: PipelinePlanning, *args: Any, **kwargs: Any) -> Any:
+        depth = len(self._calls)
+        added = method(self, *args, **kwargs)
+        del self._calls[depth:]
+        names = tuple(added) if isinstance(added, list) else (added,)
+        self._calls.append(_ConstraintCall(method.__name__, args, kwargs, names))
+        return added
+
+    return call
+
+
+class PipelinePlanning:
+    """The pipeline methods of ``AutoParallel`` (see the module docstring); they read its
+    ``_whole`` (model, input_fn, mesh, hardware, gpus_per_node as given), ``mp_policy``,
+    ``_planner_options`` and its per-stage state (``_state``)."""
+
+    _setting: PipelineConfig | None
+    _cut: StageCut | None
+    _stage_index: int | None
+    stage_setup: StageSetup | None
+    pipeline_config: PipelineConfig | None
+    _whole_topology: Topology
+    _calls: list[_ConstraintCall]
+
+    def _take_stage(self) -> None:
+        model, input_fn, mesh, hardware, gpus_per_node = self._whole
+        if self._setting is None:
+            self._setting = pipeline_settings(input_fn(), mesh, self.pipeline_config)[0]
+        if self._cut is None or self._cut.config != self._setting:
+            self._cut = cut_model(model, input_fn(), mesh, self._setting)
+        self.stage_setup = self._cut.take(mesh, self._stage_index)
+        self.model = self.stage_setup.stage.module
+        self.input_fn = self.stage_setup.input_fn
+        self.mesh = self.stage_setup.mesh
+        self.topology = Topology.from_mesh(
+            self.mesh, hardware=hardware, gpus_per_node=gpus_per_node
+        )
+        logger.info(
+            "pipeline: %s; this rank plans stage %d (%s) on %s",
+            self.stage_setup.pipeline_plan().describe(),
+            self.stage_setup.stage.index,
+            ", ".join(self.stage_setup.stage.layers),
+            self.mesh.mesh_dim_names,
+        )
+
+    def _pin_cuts(self) -> None:
+        setup, joint = self.stage_setup, self.sharding_optimizer.problem.joint
+        if not setup.is_first:
+            pinned = boundary_placements(setup, list(setup.stage.example_inputs), self.mesh.ndim)
+            self._add_boundary_constraints(pinned, joint.user_inputs, "input")
+        if not setup.is_last:
+            values = [None if o is None else o.meta["val"] for o in joint.user_outputs]
+            pinned = boundary_placements(setup, values, self.mesh.ndim)
+            nodes = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
+            self._add_boundary_constraints(pinned, nodes, "output")
+
+    def add_pipeline_constraint(
+        self,
+        schedule: ScheduleName | None = None,
+        microbatches: int | None = None,
+        stage_layers: tuple[int, ...] | None = None,
+    ) -> str:
+        """With a "pp" mesh dim: fix the schedule ("gpipe" or "1f1b"), the microbatches per
+        step, and/or how many layers of the layer stack each stage runs (see
+        :class:`PipelineConfig`). Call it before any other constraint: the stages are cut
+        and traced again. Raises PipelineError for a mesh without "pp", a setting that cannot
+        run (more stages than layers, microbatches that do not divide the local batch), or
+        constraints already added."""
+        if self.pipeline_config is None:
+            raise PipelineError(
+                "add_pipeline_constraint needs a mesh whose first dim is named 'pp'"
+            )
+        added = sorted(set(self.sharding_optimizer.constraints()) - self._entered_constraints)
+        if added:
+            raise PipelineError(
+                "add_pipeline_constraint must come before the other constraints (the stages "
+                f"are traced again); already added: {', '.join(added)}"
+            )
+        current = self.pipeline_config
+        self.pipeline_config = PipelineConfig(
+            schedule if schedule is not None else current.schedule,
+            microbatches if microbatches is not None else current.microbatches,
+            tuple(stage_layers) if stage_layers is not None else current.stage_layers,
+        )
+        _, input_fn, mesh, *_ = self._whole
+        self._setting = pipeline_settings(input_fn(), mesh, self.pipeline_config)[0]
+        if self._cut.config == dataclasses.replace(
+            self._setting, schedule=self._cut.config.schedule
+        ):
+            # the schedule alone: the stage and its problem stay as they are
+            check_setting(self._setting, input_fn(), mesh)
+            self._cut = dataclasses.replace(self._cut, config=self._setting)
+            self.stage_setup = dataclasses.replace(self.stage_setup, config=self._setting)
+        else:
+            self.__enter__()
+        return f"pipeline: {self.stage_setup.pipeline_plan().describe()}"
+
+    # ------------------------------------------------------------------ pipeline planning
+
+    def _plan_pipeline(self, verbose: bool) -> Plan:
+        _, input_fn, mesh, *_ = self._whole
+        calls = list(self._calls)
+        settings = (
+            pipeline_settings(input_fn(), mesh, self.pipeline_config)
+            if self._replayable()
+            else (self._setting,)
+        )
+        tried: list[tuple[dict[str, Any], Plan | None, list[StagePrice | None]]] = []
+        errors: list[InfeasibleConstraintsError] = []
+        for setting in settings:
+            plan, mine = None, None
+            try:
+                if setting != self._setting:
+                    self._setting = setting
+                    self.__enter__()
+                    self._replay(calls)
+                plan = self._solve(verbose)
+                mine = stage_price(self.stage_setup, plan, self._outputs(), self._whole_topology)
+            except InfeasibleConstraintsError as error:
+                errors.append(error)
+            prices = exchanged_prices(mine, self.stage_setup)
+            if prices is None:
+                prices = self._stages_planned_here(mine, calls)
+            tried.append((self._state(), plan, prices))
+        options = [self._option(state["_setting"], prices) for state, _, prices in tried]
+        budget = self.sharding_optimizer.problem.memory_budget
+        best = choose_option(options, budget)
+        if best < 0:
+            raise errors[0] if errors else InfeasibleConstraintsError([], [])
+        state, plan, prices = tried[best]
+        vars(self).update(state)
+        if len(options) > 1:
+            logger.info(
+                "pipeline settings priced: %s; kept %s",
+                "; ".join(o.describe() for o in options),
+                options[best].describe(),
+            )
+        cost, memory = price_stages(self._setting.schedule, self._setting.microbatches, prices)
+        plan.pipeline = dataclasses.replace(
+            self.stage_setup.pipeline_plan(),
+            cost=cost,
+            stage_memory=memory,
+            options=tuple(options),
+        )
+        return plan
+
+    def _option(self, setting: PipelineConfig, prices: list[StagePrice | None]) -> PipelineOption:
+        if any(p is None for p in prices):
+            return PipelineOption(setting.schedule, setting.microbatches, None)
+        cost, memory = price_stages(setting.schedule, setting.microbatches, prices)
+        peaks = [m.peak for m in memory if m is not None]
+        return PipelineOption(
+            setting.schedule, setting.microbatches, cost.step_us, max(peaks) if peaks else None
+        )
+
+    def _stages_planned_here(
+        self, mine: StagePrice | None, calls: list[_ConstraintCall]
+    ) -> list[StagePrice | None]:
+        """Every stage's price where no peer plans the others (a fake mesh): stages that plan
+        alike (stage_setup.py's ``same_stage_graph``) are planned once."""
+        own = self.stage_setup.stage.index
+        prices: list[StagePrice | None] = []
+        for index in range(len(self._cut.stages)):
+            twin = next(
+                (j for j in [own, *range(index)] if same_stage_graph(self._cut, j, index)),
+                None,
+            )
+            if index == own or twin == own or mine is None:
+                prices.append(mine)
+            elif twin is not None:
+                prices.append(prices[twin])
+            else:
+                prices.append(self._stage_planned_here(index, calls))
+        return prices
+
+    def _stage_planned_here(self, index: int, calls: list[_ConstraintCall]) -> StagePrice | None:
+        model, input_fn, mesh, *_ = self._whole
+        other = type(self)(model, input_fn, mesh, self.mp_policy, **self._planner_options)
+        other.pipeline_config = self.pipeline_config
+        other._setting, other._cut, other._stage_index = self._setting, self._cut, index
+        try:
+            with other:
+                other._replay(calls)
+                plan = other._solve(verbose=False)
+        except InfeasibleConstraintsError:
+            return None
+        return stage_price(other.stage_setup, plan, other._outputs(), self._whole_topology)
+
+    def _outputs(self) -> list[Any]:
+        return [None if o is None else o.meta["val"] for o in self.joint.user_outputs]
+
+    def _state(self) -> dict[str, Any]:
+        """What planning one pipeline setting changes on this object."""
+        names = ("model", "input_fn", "mesh", "topology", "stage_setup", "joint", "_optimizer")
+        names += ("_entered_constraints", "_calls", "_cut", "_setting")
+        return {name: getattr(self, name) for name in names}
+
+    def _replay(self, calls: list[_ConstraintCall]) -> None:
+        for call in calls:
+            getattr(self, call.method)(*call.args, **call.kwargs)
+
+    def _replayable(self) -> bool:
+        """Whether every constraint in force came through a recorded call (one added on the
+        sharding optimizer directly names nodes of this stage's graph only)."""
+        added = set(self.sharding_optimizer.constraints()) - self._entered_constraints
+        recorded = {name for call in self._calls for name in call.names}
+        unrecorded = added - recorded
+        if unrecorded:
+            logger.info(
+                "pipeline: constraints %s were added on the sharding optimizer: only the "
+                "setting planned first is priced",
+                ", ".join(sorted(unrecorded)),
+            )
+        return not unrecorded
