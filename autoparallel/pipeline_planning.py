@@ -102,7 +102,9 @@ class PipelinePlanning:
         if self._setting is None:
             self._setting = pipeline_settings(input_fn(), mesh, self.pipeline_config)[0]
         if self._cut is None or self._cut.config != self._setting:
-            self._cut = cut_model(model, input_fn(), mesh, self._setting)
+            self._cut = self._timed(
+                "cut", lambda: cut_model(model, input_fn(), mesh, self._setting, self._dtype())
+            )
         self.stage_setup = self._cut.take(mesh, self._stage_index)
         self.model = self.stage_setup.stage.module
         self.input_fn = self.stage_setup.input_fn
@@ -111,12 +113,15 @@ class PipelinePlanning:
             self.mesh, hardware=hardware, gpus_per_node=gpus_per_node
         )
         logger.info(
-            "pipeline: %s; this rank plans stage %d (%s) on %s",
+            "pipeline: %s; planning stage %d (%s) on %s",
             self.stage_setup.pipeline_plan().describe(),
             self.stage_setup.stage.index,
             ", ".join(self.stage_setup.stage.layers),
             self.mesh.mesh_dim_names,
         )
+
+    def _dtype(self) -> Any:
+        return None if self.mp_policy is None else self.mp_policy.param_dtype
 
     def _pin_cuts(self) -> None:
         setup, joint = self.stage_setup, self.sharding_optimizer.problem.joint

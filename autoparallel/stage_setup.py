@@ -173,11 +173,16 @@ def check_setting(config: PipelineConfig, global_inputs: Any, mesh: DeviceMesh) 
 
 
 def cut_model(
-    model: nn.Module, global_inputs: Any, mesh: DeviceMesh, config: PipelineConfig
+    model: nn.Module,
+    global_inputs: Any,
+    mesh: DeviceMesh,
+    config: PipelineConfig,
+    compute_dtype: torch.dtype | None = None,
 ) -> StageCut:
     """Split ``model`` for ``mesh``'s pp dim under ``config`` (one of ``pipeline_settings``:
-    schedule and microbatches decided; checked by ``check_setting``). ``global_inputs``:
-    what ``input_fn()`` returned (the global batch)."""
+    schedule and microbatches decided; checked by ``check_setting``), traced computing in
+    ``compute_dtype`` (the policy's ``param_dtype``; see ``split_stages``).
+    ``global_inputs``: what ``input_fn()`` returned (the global batch)."""
     check_setting(config, global_inputs, mesh)
     args, kwargs = _as_args(global_inputs)
     piece = _batch_rows(args, kwargs) // config.microbatches
@@ -187,6 +192,7 @@ def cut_model(
         {k: _rows(v, piece) for k, v in kwargs.items()},
         mesh.shape[0],
         config.stage_layers,
+        compute_dtype,
     )
     return StageCut(tuple(stages), config)
 

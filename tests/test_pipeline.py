@@ -166,6 +166,30 @@ def test_the_planner_prices_each_microbatch_count_and_keeps_the_fastest(fake_mes
     assert autop.stage_setup.microbatch_rows == 8 // fastest.microbatches
 
 
+def test_under_a_bf16_policy_a_stage_computes_in_bf16_and_owns_the_models_parameters(
+    fake_mesh,
+):
+    """The stages are cut from the model traced computing in the policy's param_dtype: cut
+    in float32, torch.export would record the norm's ``type_as`` and the rotary tables'
+    ``.to(x.dtype)`` as float32 casts and the stage would compute its matmuls in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = Llama(CONFIG)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    tokens = torch.zeros(8, 32, dtype=torch.long)
+    mesh = fake_mesh((2, 2), ("pp", "dp"))
+    with AutoParallel(model, lambda: tokens, mesh, policy, hardware="cpu") as autop:
+        autop.add_pipeline_constraint(microbatches=2)
+        matmuls = [n for n in autop.joint.graph.nodes if n.target is torch.ops.aten.mm.default]
+        stage = autop.stage_setup.stage
+    assert matmuls and {n.meta["val"].dtype for n in matmuls} == {torch.bfloat16}
+    # the hidden states cross the cut in bf16 (what the next stage receives, and its price)
+    assert autop.joint.user_outputs[0].meta["val"].dtype == torch.bfloat16
+    for name, param in stage.module.named_parameters():
+        assert param is model.get_parameter(name) and param.dtype == torch.float32, name
+    assert stage.module.get_buffer("rope_cos") is model.get_buffer("rope_cos")
+
+
 def test_the_command_plans_a_pipeline_stage_and_says_so(tmp_path):
     out = tmp_path / "plan.json"
     args = ["plan", "--model", "tiny", "--mesh", "2x2", "--mesh-names", "pp,dp"]

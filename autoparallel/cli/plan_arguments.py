@@ -32,7 +32,7 @@ __all__ = [
     "validate",
 ]
 
-LLAMA_PRESETS = ("llama3-8b", "llama3-70b", "tiny")
+LLAMA_PRESETS = ("llama3-8b", "llama3-70b", "llama3-405b", "tiny")
 MOE_PRESETS = ("moe-tiny", "moe-16b")
 BUILTIN_MODELS = LLAMA_PRESETS + MOE_PRESETS + ("gpt2",)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -41,8 +41,8 @@ DEFAULT_MESH_NAMES = ("dp", "tp", "cp", "ep")
 
 _PLAN_EPILOG = """\
 models:
-  llama3-8b, llama3-70b, tiny   the LLaMA-style reference model (autoparallel.models.Llama), all
-                                its layers unless --layers says (identical layers are traced once
+  llama3-8b, llama3-70b,        the LLaMA-style reference model (autoparallel.models.Llama), all
+  llama3-405b, tiny             its layers unless --layers says (identical layers are traced once
                                 and folded: all 80 layers of llama3-70b on 8x8 plan in seconds)
   moe-tiny, moe-16b             the mixture-of-experts reference model (autoparallel.models.moe):
                                 its routed experts are split over the mesh dim named "ep"
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--model",
         required=True,
-        help="llama3-8b | llama3-70b | tiny | moe-tiny | moe-16b | gpt2 | package.module:factory",
+        help="llama3-8b | llama3-70b | llama3-405b | tiny | moe-tiny | moe-16b | gpt2 | package.module:factory",
     )
     plan.add_argument(
         "--mesh", default=None, help="mesh shape, e.g. 8x8 (row-major; the last dim is innermost)"

@@ -100,6 +100,20 @@ LLAMA3_70B = LlamaConfig(
 )
 """LLaMA-3 70B (ffn_hidden works out to 28672)."""
 
+LLAMA3_405B = LlamaConfig(
+    dim=16384,
+    n_layers=126,
+    n_heads=128,
+    n_kv_heads=8,
+    vocab_size=128256,
+    multiple_of=4096,
+    ffn_dim_multiplier=1.2,
+    norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_seq_len=8192,
+)
+"""LLaMA-3 405B (ffn_hidden works out to 53248)."""
+
 LLAMA_TINY = LlamaConfig(
     dim=64,
     n_layers=2,
@@ -128,6 +142,7 @@ time (the benchmarks' ``llama-small``)."""
 _PRESETS: dict[str, LlamaConfig] = {
     "llama3-8b": LLAMA3_8B,
     "llama3-70b": LLAMA3_70B,
+    "llama3-405b": LLAMA3_405B,
     "tiny": LLAMA_TINY,
     "small": LLAMA_SMALL,
 }
@@ -136,7 +151,8 @@ _FFN_INPUTS = frozenset({"dim", "multiple_of", "ffn_dim_multiplier"})
 
 
 def llama_config(name: str, **overrides: object) -> LlamaConfig:
-    """Return the preset ``name`` ("llama3-8b", "llama3-70b", "tiny", "small") with overrides.
+    """Return the preset ``name`` ("llama3-8b", "llama3-70b", "llama3-405b", "tiny",
+    "small") with overrides.
 
     Overriding ``dim``, ``multiple_of`` or ``ffn_dim_multiplier`` without
     ``ffn_hidden`` recomputes ``ffn_hidden`` by the LLaMA rule, so e.g.

@@ -99,9 +99,18 @@ def split_stages(
     microbatch_kwargs: dict[str, Any],
     num_stages: int,
     stage_layers: tuple[int, ...] | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> list[StageModule]:
     """Cut ``model`` into ``num_stages`` stages (see the module docstring); the example
-    microbatch gives the shapes the stages are traced with."""
+    microbatch gives the shapes the stages are traced with.
+
+    ``compute_dtype`` (a mixed-precision policy's ``param_dtype``): the model is traced
+    computing in it, as it will run, and the stages then own the model's own parameters and
+    buffers. Traced in float32 instead, torch.export records the dtype each cast produced
+    then: ``x.float()`` of a float32 ``x`` is ``x`` itself, so a norm's
+    ``self._norm(x.float()).type_as(x)`` comes out keeping float32, and ``.to(x.dtype)`` is
+    recorded as ``.to(float32)``; under the policy the stage would then compute its
+    residual stream and matmuls in float32."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     stack = find_layer_stack(model)
@@ -112,7 +121,10 @@ def split_stages(
     args = tuple(_zeros_like(a, device) for a in microbatch_args)
     kwargs = {k: _zeros_like(v, device) for k, v in microbatch_kwargs.items()}
     try:
-        with _forwards_restored(model, list(split_spec)):
+        with (
+            _forwards_restored(model, list(split_spec)),
+            _computing_in(model, compute_dtype) as own,
+        ):
             pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
     except Exception as error:  # torch.export's own errors, long and deep
         raise PipelineError(
@@ -128,6 +140,7 @@ def split_stages(
     for index, start in enumerate(starts):
         module = pipe.get_stage_module(index)
         _drop_device_checks(module)
+        _give_back(module, own)
         examples = _placeholder_examples(module, needs_grads=index > 0)
         stages.append(
             StageModule(index, module, stack.names(start, start + counts[index]), examples)
@@ -152,6 +165,45 @@ def _forwards_restored(model: nn.Module, names: list[str]) -> Iterator[None]:
                 module.forward = forward
             if not had_original:
                 module.__dict__.pop("_orig_forward", None)
+
+
+@contextlib.contextmanager
+def _computing_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[dict[str, torch.Tensor]]:
+    """Give ``model`` stand-ins of its floating parameters in ``dtype`` (same shapes and
+    device, values never read) while it is traced; yields the originals by name (empty
+    where ``dtype`` is None: nothing is swapped) and puts them back after. Buffers keep
+    their dtype, as under the policy (it casts parameters only)."""
+    if dtype is None:
+        yield {}
+        return
+    own: dict[str, torch.Tensor] = {}
+    stand_ins: dict[int, torch.Tensor] = {}  # a tied tensor gets one stand-in
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.is_floating_point() or param.dtype == dtype:
+            continue
+        own[name] = param
+        if id(param) not in stand_ins:
+            blank = torch.empty(param.shape, dtype=dtype, device=param.device)
+            stand_ins[id(param)] = nn.Parameter(blank, requires_grad=param.requires_grad)
+        _set(model, name, stand_ins[id(param)])
+    try:
+        yield own
+    finally:
+        for name, tensor in own.items():
+            _set(model, name, tensor)
+
+
+def _give_back(stage: nn.Module, own: dict[str, torch.Tensor]) -> None:
+    """The stage holds the stand-ins it was traced with: give it the model's own
+    parameters (under every name: tied ones stay tied)."""
+    for name, _ in stage.named_parameters(remove_duplicate=False):
+        if name in own:
+            _set(stage, name, own[name])
+
+
+def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner), leaf, tensor)
 
 
 def _drop_device_checks(stage: nn.Module) -> None:

@@ -37,14 +37,24 @@ def _model() -> Llama:
     return model
 
 
-def reference() -> dict[str, Any]:
-    """STEPS AdamW steps of the whole batch's mean squared error on one device."""
+def _policy(bf16: bool) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
+
+
+def reference(bf16: bool = False) -> dict[str, Any]:
+    """STEPS AdamW steps of the whole batch's mean squared error on one device (computing in
+    bf16 under ``MixedPrecisionModule`` where ``bf16``)."""
+    from autoparallel.trace.mixed_precision import MixedPrecisionModule
+
     model = _model()
+    run = MixedPrecisionModule(model, _policy(True)) if bf16 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
     for step, (tokens, target) in enumerate(batches()):
         optimizer.zero_grad()
-        loss = F.mse_loss(model(tokens), target)
+        loss = F.mse_loss(run(tokens).float(), target)
         loss.backward()
         if step == 0:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -55,7 +65,12 @@ def reference() -> dict[str, Any]:
 
 
 def train_pipelined(
-    rank: int, world_size: int, schedule: str, microbatches: int, checkpoint: str
+    rank: int,
+    world_size: int,
+    schedule: str,
+    microbatches: int,
+    checkpoint: str,
+    bf16: bool = False,
 ) -> dict[str, Any]:
     """Plan on a (2, world_size // 2) pp x dp gloo mesh with the schedule and microbatches
     fixed, then STEPS AdamW steps with ``pipe.step``: this rank's stage's losses per step
@@ -65,13 +80,16 @@ def train_pipelined(
     mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp"))
     rows = (Replicate(), Shard(0))  # whole microbatches between stages, rows split over dp
     all_batches = batches()
-    with AutoParallel(_model(), lambda: all_batches[0][0], mesh, hardware="cpu") as autop:
+    model, policy = _model(), _policy(bf16)
+    with AutoParallel(model, lambda: all_batches[0][0], mesh, policy, hardware="cpu") as autop:
         autop.add_pipeline_constraint(schedule=schedule, microbatches=microbatches)
         autop.add_input_constraints([rows])
         autop.add_output_constraints([rows])
         plan = autop.optimize_placement()
         # each dp rank's loss counts 1/dp of the batch's mean: the gradients sum over dp
-        pipe = autop.apply_placement(plan, loss_fn=lambda out, tgt: F.mse_loss(out, tgt) / dp)
+        pipe = autop.apply_placement(
+            plan, loss_fn=lambda out, tgt: F.mse_loss(out.float(), tgt) / dp
+        )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
     row = mesh.get_local_rank("dp")
     losses, grads = [], {}
