@@ -206,9 +206,11 @@ class AutoParallel(PipelinePlanning):
         #    optimize_placement, so constraints can still be added).
         self._optimizer = ShardingOptimizer(problem, self.mesh.mesh_dim_names, self.solver_options)
         # 8. Pipeline stages: the tensors crossing a cut keep the layout the next stage
-        #    expects (stage_setup.py), whatever else the user constrains.
+        #    expects (stage_setup.py), whatever else the user constrains; the stage's memory
+        #    counts the microbatches in flight (before any memory model is built).
         if self.stage_setup is not None:
             self._pin_cuts()
+            self._hold_in_flight()
         self._entered_constraints = set(self._optimizer.constraints())
         return self
 

@@ -123,6 +123,12 @@ class PipelinePlanning:
     def _dtype(self) -> Any:
         return None if self.mp_policy is None else self.mp_policy.param_dtype
 
+    def _hold_in_flight(self) -> None:
+        """The stage's memory counts the microbatches its schedule keeps in flight."""
+        problem, setup = self.sharding_optimizer.problem, self.stage_setup
+        problem.activation_copies = setup.in_flight
+        problem.memory = None  # built on first use, with them
+
     def _pin_cuts(self) -> None:
         setup, joint = self.stage_setup, self.sharding_optimizer.problem.joint
         if not setup.is_first:
@@ -171,6 +177,7 @@ class PipelinePlanning:
             check_setting(self._setting, input_fn(), mesh)
             self._cut = dataclasses.replace(self._cut, config=self._setting)
             self.stage_setup = dataclasses.replace(self.stage_setup, config=self._setting)
+            self._hold_in_flight()
         else:
             self.__enter__()
         return f"pipeline: {self.stage_setup.pipeline_plan().describe()}"

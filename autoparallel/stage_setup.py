@@ -32,7 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoparallel._torch_internals import tree_flatten
-from autoparallel.cost.pipeline import transfer_us
+from autoparallel.cost.pipeline import microbatches_in_flight, transfer_us
 from autoparallel.cost.topology import Topology
 from autoparallel.trace.stages import StageModule, split_stages
 from autoparallel.types.pipeline import (
@@ -58,6 +58,13 @@ class StageSetup:
     @property
     def microbatches(self) -> int:
         return self.config.microbatches
+
+    @property
+    def in_flight(self) -> int:
+        """Microbatches whose activations this stage holds at once under the schedule."""
+        return microbatches_in_flight(
+            self.config.schedule, self.stage.index, len(self.stages), self.microbatches
+        )
 
     @property
     def is_first(self) -> bool:
@@ -212,7 +219,8 @@ def boundary_placements(
 
 def stage_price(setup: StageSetup, plan: Plan, outputs: list[Any], whole: Topology) -> StagePrice:
     """The stage's plan as the pipeline prices it: its step less the optimizer, plus its
-    sends on the pp dim (its outputs forward, its inputs' gradients back), per microbatch."""
+    sends on the pp dim (its outputs forward, its inputs' gradients back), per microbatch;
+    its memory (the plan's, which counts the microbatches in flight)."""
     sends = [t for t in outputs if isinstance(t, torch.Tensor)] if not setup.is_last else []
     if not setup.is_first:
         sends += [t for t in setup.stage.example_inputs if t.requires_grad]

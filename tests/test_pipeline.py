@@ -140,9 +140,9 @@ def test_a_pipelined_plan_says_its_stages(fake_mesh):
     times = cost.stage_microbatch_us
     assert cost.bubble_us == pytest.approx(sum(times) - max(times))  # two microbatches
     assert cost.step_us >= sum(times) + max(times)  # and the slowest optimizer step
-    # GPipe: both microbatches' activations held at once, on every stage
+    # GPipe: both microbatches' activations held at once, on every stage (the plan counts both)
     assert [m["in_flight"] for m in pipeline["stage_memory"]] == [2, 2]
-    assert pipeline["memory"]["activations"] == pytest.approx(2 * plan.memory.activations)
+    assert pipeline["memory"]["activations"] == pytest.approx(plan.memory.activations)
     assert "layers.1.attention.wq.weight" not in plan.param_placements
     assert "tok_embeddings.weight" in plan.param_placements
     # the hidden states leave the first stage split by rows over dp, as stage 1 takes them
@@ -215,21 +215,27 @@ def test_the_pipeline_step_is_the_slowest_stage_times_the_microbatches_plus_the_
     assert cost.stage_microbatch_us == (10.0, 30.0, 20.0)
 
 
-def test_a_stage_holds_the_activations_of_the_microbatches_its_schedule_keeps_in_flight():
-    from autoparallel.cost.pipeline import microbatches_in_flight, price_stages
-    from autoparallel.types.pipeline import StagePrice
+def test_a_stage_holds_the_activations_of_the_microbatches_its_schedule_keeps_in_flight(
+    fake_mesh,
+):
+    from autoparallel.cost.pipeline import microbatches_in_flight
 
     # 1F1B: stage i runs (stages - i) forwards before its first backward; GPipe all of them
     assert [microbatches_in_flight("1f1b", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
     assert microbatches_in_flight("1f1b", 0, 4, 2) == 2
     assert microbatches_in_flight("gpipe", 3, 4, 8) == 8
-    stage = StagePrice(10.0, 1.0, peak_bytes=46.0, activation_bytes=5.0)
-    _, memory = price_stages("1f1b", 8, [stage, stage, stage])
-    assert [(m.in_flight, m.activations, m.peak) for m in memory] == [
-        (3, 15.0, 56.0),
-        (2, 10.0, 51.0),
-        (1, 5.0, 46.0),
-    ]
+    # the stage's own memory model counts them: stage 0 of 2 holds 2 of 4 microbatches'
+    # activations under 1F1B, all 4 under GPipe; the budget row sees the same bytes
+    activations = {}
+    for schedule in ("1f1b", "gpipe"):
+        with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
+            autop.add_pipeline_constraint(schedule=schedule, microbatches=4)
+            plan = autop.optimize_placement()
+        activations[schedule] = plan.memory.activations
+        assert [m.in_flight for m in plan.pipeline.stage_memory] == (
+            [2, 1] if schedule == "1f1b" else [4, 4]
+        )
+    assert activations["gpipe"] == pytest.approx(2 * activations["1f1b"])
 
 
 def test_the_fastest_setting_within_the_budget_is_kept():

@@ -64,25 +64,22 @@ def price_stages(
     schedule: ScheduleName, microbatches: int, prices: Sequence[StagePrice]
 ) -> tuple[PipelineCost, tuple[StageMemory | None, ...]]:
     """The step of stages priced ``prices`` (in stage order) and each stage's memory under
-    ``schedule``."""
+    ``schedule`` (a stage's plan counts its microbatches in flight: see
+    ``Problem.activation_copies``)."""
     cost = pipeline_cost(
         [p.microbatch_us for p in prices], [p.optimizer_us for p in prices], microbatches
     )
     memory = tuple(
         None
         if price.peak_bytes is None or price.activation_bytes is None
-        else _held(price, microbatches_in_flight(schedule, index, len(prices), microbatches))
+        else StageMemory(
+            microbatches_in_flight(schedule, index, len(prices), microbatches),
+            price.activation_bytes,
+            price.peak_bytes,
+        )
         for index, price in enumerate(prices)
     )
     return cost, memory
-
-
-def _held(price: StagePrice, in_flight: int) -> StageMemory:
-    return StageMemory(
-        in_flight=in_flight,
-        activations=float(in_flight * price.activation_bytes),
-        peak=float(price.peak_bytes + (in_flight - 1) * price.activation_bytes),
-    )
 
 
 def choose_option(options: Sequence[PipelineOption], budget_bytes: float | None) -> int:

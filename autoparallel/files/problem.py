@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import operator
 from pathlib import Path
 from typing import Any
 from zipfile import BadZipFile
@@ -27,6 +26,7 @@ from autoparallel.cost.profile import hardware_from_dict, hardware_to_dict
 from autoparallel.cost.redistribution import PairPricer
 from autoparallel.cost.topology import Topology
 from autoparallel.files.placements import PlacementFileError
+from autoparallel.files.problem_graph import stand_in_joint, stand_in_node
 from autoparallel.types.costs import CostTables, EdgeCost, EdgeRoutes
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import (
@@ -123,6 +123,7 @@ def save_problem(
             "optimizer": problem.memory_optimizer,
             "budget": problem.memory_budget,
             "activation_checkpointing": problem.activation_checkpointing,
+            "activation_copies": problem.activation_copies,
         },
     }
     rows = _pack_rows(problem.rows)
@@ -350,7 +351,7 @@ def _decode_problem(
     forward: set[fx.Node] = set()
     for record in meta["nodes"]:
         inputs = [by_name[n] for n in record["inputs"]]
-        node = _stand_in_node(graph, record, inputs)
+        node = stand_in_node(graph, record, inputs)
         by_name[record["name"]] = node
         if record["forward"]:
             forward.add(node)
@@ -390,7 +391,7 @@ def _decode_problem(
         edge_columns.append(np.arange(start, start + count, dtype=np.int64))
         edge_encodings.append(record.get("encoding", "pairs"))
     tables = CostTables(compute_us=compute, edges=edges, topology=topology)
-    joint = _joint(meta["roles"], by_name, graph, forward)
+    joint = stand_in_joint(meta["roles"], by_name, graph, forward)
     folding = (
         Folding({by_name[n]: by_name[r] for n, r in meta["folding"].items()})
         if meta["folding"]
@@ -442,6 +443,7 @@ def _decode_problem(
     problem.memory_optimizer = memory.get("optimizer", "adamw")
     problem.memory_budget = memory.get("budget")
     problem.activation_checkpointing = memory.get("activation_checkpointing", "off")
+    problem.activation_copies = int(memory.get("activation_copies", 1))
     for record in meta["user_constraints"]:
         rows = [
             Row(np.array(c, dtype=np.int64), np.array(v, dtype=np.float64), lo, hi, *budget)
@@ -483,14 +485,6 @@ def _decode_strategies(encoded: list) -> list[Strategy]:
     ]
 
 
-def _meta_value(record: Any) -> Any:
-    if record is None:
-        return None
-    if isinstance(record, list):
-        return tuple(_meta_value(r) for r in record)
-    return torch.empty(record["shape"], dtype=getattr(torch, record["dtype"]), device="meta")
-
-
 def _edge_routes(edge: EdgeCost, topology: Topology, pricers: dict) -> EdgeRoutes | None:
     """Route tables are not stored: they are a function of the tensor and the topology."""
     value = edge.producer.meta["val"]
@@ -505,80 +499,6 @@ def _edge_routes(edge: EdgeCost, topology: Topology, pricers: dict) -> EdgeRoute
             f"edge {edge.name} was priced on routes, but its placements are not route states"
         )
     return EdgeRoutes(pricer, src_states, dst_states)  # type: ignore[arg-type]
-
-
-def _stand_in_node(graph: fx.Graph, record: dict, inputs: list[fx.Node]) -> fx.Node:
-    """A node with the saved name, op name, inputs and a meta-device value: enough for every
-    reader of a Problem (it cannot run)."""
-    if record["op"] == "placeholder":
-        node = graph.placeholder(record["name"])
-    else:
-        node = graph.create_node(
-            "call_function", _target(record["target"]), tuple(inputs), name=record["name"]
-        )
-    node.meta["val"] = _meta_value(record["value"])
-    return node
-
-
-def _target(text: str) -> Any:
-    """The op a saved target string names (``aten.mm.default``), or a named stand-in."""
-    if text == str(operator.getitem):
-        return operator.getitem
-    parts = text.split(".")
-    if len(parts) == 3:
-        namespace, name, overload = parts
-        try:
-            return getattr(getattr(getattr(torch.ops, namespace), name), overload)
-        except (AttributeError, RuntimeError):
-            pass
-    return _NamedTarget(text)
-
-
-class _NamedTarget:
-    """A callable placeholder for an op this process does not know; it only keeps a name."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{self.name} comes from a saved problem and cannot run")
-
-    def __str__(self) -> str:
-        return self.name
-
-    __repr__ = __str__
-
-
-def _joint(
-    roles: dict, by_name: dict[str, fx.Node], graph: fx.Graph, forward: set[fx.Node]
-) -> JointGraph:
-    def node(name: str | None) -> fx.Node | None:
-        return by_name.get(name) if name is not None else None
-
-    holder = _GraphHolder(graph)
-    return JointGraph(
-        graph_module=holder,  # type: ignore[arg-type]  # a loaded graph cannot run
-        fake_mode=None,
-        params={k: by_name[v] for k, v in roles["params"].items()},
-        buffers={k: by_name[v] for k, v in roles["buffers"].items()},
-        user_inputs=[by_name[n] for n in roles["user_inputs"]],
-        tangents={int(k): by_name[v] for k, v in roles["tangents"].items()},
-        user_outputs=[node(n) for n in roles["user_outputs"]],
-        param_grads={k: by_name[v] for k, v in roles["param_grads"].items()},
-        input_grads={int(k): by_name[v] for k, v in roles["input_grads"].items()},
-        forward_nodes=forward,
-        in_spec=None,  # type: ignore[arg-type]
-        out_spec=None,  # type: ignore[arg-type]
-        device=torch.device("meta"),
-        tied_params=[list(group) for group in roles["tied_params"]],
-    )
-
-
-class _GraphHolder:
-    """Stands in for the GraphModule of a loaded problem: it only carries the graph."""
-
-    def __init__(self, graph: fx.Graph):
-        self.graph = graph
 
 
 def _unpack_rows(archive: Any, prefix: str = "rows_") -> list[Row]:

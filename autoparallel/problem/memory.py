@@ -20,6 +20,10 @@ What is counted, per device (see ``types/memory.py`` for the two moments):
 * saved gathers: a parameter read the backward needs (a transposed weight, say) that the
   forward redistributed is saved as that copy, an activation until the backward
   (``MoveBytes`` on the edges into it);
+* microbatches in flight (``Problem.activation_copies``, a pipeline stage's): the activations
+  and saved gathers count once per microbatch alive at the backward's start; a recomputed
+  layer frees its inner activations in each, and the one it recomputes at a time is priced
+  as if every microbatch's were back (an overestimate of one layer's activations);
 * gathered parameters: a parameter read (or its cast) whose consumer wants another placement
   holds the redistributed copy while its group computes; the runtime keeps the group outside
   numbered layers for the whole forward, and one layer ahead of the computing one.
@@ -32,6 +36,7 @@ forward and backward that are freed within the phase, and the allocator's fragme
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -101,6 +106,10 @@ def build_memory_model(
         temporaries.append(NodeBytes(node, local * state.step_temporaries))
     activations, layers = _activations(problem, mesh_shape)
     saved_gathers = _saved_gathers(problem)
+    copies = problem.activation_copies
+    if copies != 1:  # each microbatch in flight saves its own (module doc)
+        activations = [NodeBytes(p.node, p.per_strategy * copies) for p in activations]
+        saved_gathers = [dataclasses.replace(m, copies=copies) for m in saved_gathers]
     classes = (
         recompute_classes(problem, activations, saved_activations(problem.joint))
         if recompute
@@ -262,7 +271,7 @@ def _move_bytes(problem: Problem, move: MoveBytes) -> tuple[np.ndarray, np.ndarr
     values = ends_bytes[: len(dst)]
     if move.net_of_source:  # the copy less the source, which the activations count
         values = values - ends_bytes[len(dst) :]
-    return columns, np.where(src == dst, 0.0, values)
+    return columns, np.where(src == dst, 0.0, values) * move.copies
 
 
 def _move_ends(problem: Problem, edge: int) -> tuple[np.ndarray, np.ndarray, Callable]:
@@ -374,8 +383,8 @@ def _gathered_bytes(problem: Problem, move: MoveBytes, choice: dict[fx.Node, int
     value, mesh_shape = edge.producer.meta["val"], problem.space.mesh_shape
     copy = _value_bytes(value, edge.dst_options[dst], mesh_shape)
     if move.net_of_source:  # the source is among the activations (see MoveBytes)
-        return copy - _value_bytes(value, edge.src_options[src], mesh_shape)
-    return copy
+        return (copy - _value_bytes(value, edge.src_options[src], mesh_shape)) * move.copies
+    return copy * move.copies
 
 
 # ---------------------------------------------------------------------------- the parts

@@ -78,6 +78,7 @@ class MoveBytes:
 
     edge: int
     net_of_source: bool = False
+    copies: int = 1  # a saved gather of each microbatch in flight (Problem.activation_copies)
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,8 @@ class PipelineCost:
 class StagePrice:
     """One stage's plan as the pipeline prices it (us; bytes per device): one microbatch's
     forward and backward with the stage's sends on the pp link, its optimizer step, and its
-    peak memory with one microbatch's activations and those activations' bytes (None
-    without a memory estimate)."""
+    peak memory and activations' bytes with the microbatches its schedule keeps in flight
+    (None without a memory estimate)."""
 
     microbatch_us: float
     optimizer_us: float
@@ -118,9 +118,8 @@ class PipelineOption:
 
 @dataclass(frozen=True)
 class StageMemory:
-    """This rank's stage under the schedule (bytes per device): how many microbatches'
-    activations it holds at once, their bytes, and its peak (the stage plan's peak, which
-    counts one microbatch's activations, plus the others in flight)."""
+    """A stage under the schedule (bytes per device): how many microbatches' activations it
+    holds at once, their bytes, and its peak (its plan's, which counts them all)."""
 
     in_flight: int
     activations: float

@@ -181,6 +181,9 @@ class Problem:
     memory_budget: float | None = None
     # "auto": the memory constraint may recompute layers (problem/recompute.py)
     activation_checkpointing: ActivationCheckpointing = "off"
+    # microbatches whose saved activations are alive at once (a pipeline stage's in flight
+    # under its schedule, stage_setup.py); the memory model counts each
+    activation_copies: int = 1
     # (edge, pair) -> objective saving of each bucket member, indexed by set_buckets
     _savings: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
     _shares: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
