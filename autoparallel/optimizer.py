@@ -34,13 +34,21 @@ from autoparallel.problem.constraints import (
     parameter_memory_constraint,
     placement_constraint,
 )
-from autoparallel.problem.memory import build_memory_model, memory_constraint_of, smallest_peak
+from autoparallel.problem.memory import (
+    build_memory_model,
+    estimate_memory,
+    memory_constraint_of,
+    memory_model,
+    smallest_peak,
+)
 from autoparallel.problem.overlap import fit_shares
 from autoparallel.problem.prefetch import prefetchable_columns
+from autoparallel.problem.recompute import recompute_counts
 from autoparallel.report.diff import PlanDiff, diff_plan_json
 from autoparallel.solver.highs import InfeasibleConstraintsError, SolverOptions, solve
 from autoparallel.solver.plan import build_plan
 from autoparallel.types.kinds import ActivationCheckpointing
+from autoparallel.types.memory import MemoryEstimate
 from autoparallel.types.placements import Placements, validate_placements
 from autoparallel.types.plan import Plan, Solution
 from autoparallel.types.problem import Problem, UnknownNameError
@@ -208,6 +216,21 @@ class ShardingOptimizer:
         self._plan = plan
         log_plan(plan, logging.INFO if verbose else logging.DEBUG, self.problem.tables.topology)
         return plan
+
+    def memory_in_flight(self, copies: int) -> MemoryEstimate | None:
+        """The last solved plan's memory had ``copies`` microbatches' activations been alive
+        at once (a pipeline stage of this same graph further along the schedule; see
+        ``Problem.activation_copies``); None without a solution of this process."""
+        if self._solution is None:
+            return None
+        problem = self.problem
+        kept = problem.activation_copies, problem.memory
+        problem.activation_copies, problem.memory = copies, None
+        try:
+            counts = recompute_counts(memory_model(problem).recompute, self._solution.auxiliary)
+            return estimate_memory(problem, self._solution.choice, problem.memory_budget, counts)
+        finally:
+            problem.activation_copies, problem.memory = kept
 
     # ------------------------------------------------------------------ persistence
 

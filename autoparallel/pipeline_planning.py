@@ -34,6 +34,7 @@ from typing import Any
 
 from autoparallel.cost.pipeline import choose_option, price_stages
 from autoparallel.cost.topology import Topology
+from autoparallel.optimizer import ShardingOptimizer
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.stage_setup import (
     StageCut,
@@ -243,24 +244,39 @@ class PipelinePlanning:
     def _stages_planned_here(
         self, mine: StagePrice | None, calls: list[_ConstraintCall]
     ) -> list[StagePrice | None]:
-        """Every stage's price where no peer plans the others (a fake mesh): stages that plan
-        alike (stage_setup.py's ``same_stage_graph``) are planned once."""
+        """Every stage's price where no peer plans the others (a fake mesh). Stages that plan
+        alike (stage_setup.py's ``same_stage_graph``) are planned once, by the first of
+        them: the one with the most microbatches in flight, so its plan fits the others'
+        memory too (where a budget would let them choose faster plans, theirs is priced as
+        its: an overestimate); each one's memory is its plan's with its own in flight."""
+        if mine is None:
+            return [None] * len(self._cut.stages)
         own = self.stage_setup.stage.index
+        planned: dict[int, tuple[StagePrice | None, ShardingOptimizer | None]] = {
+            own: (mine, self.sharding_optimizer)
+        }
         prices: list[StagePrice | None] = []
         for index in range(len(self._cut.stages)):
             twin = next(
                 (j for j in [own, *range(index)] if same_stage_graph(self._cut, j, index)),
-                None,
+                index,
             )
-            if index == own or twin == own or mine is None:
-                prices.append(mine)
-            elif twin is not None:
-                prices.append(prices[twin])
-            else:
-                prices.append(self._stage_planned_here(index, calls))
+            if twin not in planned:
+                planned[twin] = self._stage_planned_here(twin, calls)
+            price, optimizer = planned[twin]
+            if twin != index and price is not None:
+                held = self._cut.take(self._whole[2], index).in_flight
+                memory = optimizer.memory_in_flight(held)
+                if memory is not None:
+                    price = dataclasses.replace(
+                        price, peak_bytes=memory.peak, activation_bytes=memory.activations
+                    )
+            prices.append(price)
         return prices
 
-    def _stage_planned_here(self, index: int, calls: list[_ConstraintCall]) -> StagePrice | None:
+    def _stage_planned_here(
+        self, index: int, calls: list[_ConstraintCall]
+    ) -> tuple[StagePrice | None, ShardingOptimizer | None]:
         model, input_fn, mesh, *_ = self._whole
         other = type(self)(model, input_fn, mesh, self.mp_policy, **self._planner_options)
         other.pipeline_config = self.pipeline_config
@@ -270,8 +286,9 @@ class PipelinePlanning:
                 other._replay(calls)
                 plan = other._solve(verbose=False)
         except InfeasibleConstraintsError:
-            return None
-        return stage_price(other.stage_setup, plan, other._outputs(), self._whole_topology)
+            return None, None
+        price = stage_price(other.stage_setup, plan, other._outputs(), self._whole_topology)
+        return price, other.sharding_optimizer
 
     def _outputs(self) -> list[Any]:
         return [None if o is None else o.meta["val"] for o in self.joint.user_outputs]

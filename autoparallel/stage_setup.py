@@ -218,23 +218,39 @@ def boundary_placements(
 
 
 def stage_price(setup: StageSetup, plan: Plan, outputs: list[Any], whole: Topology) -> StagePrice:
-    """The stage's plan as the pipeline prices it: its step less the optimizer, plus its
-    sends on the pp dim (its outputs forward, its inputs' gradients back), per microbatch;
-    its memory (the plan's, which counts the microbatches in flight)."""
-    sends = [t for t in outputs if isinstance(t, torch.Tensor)] if not setup.is_last else []
-    if not setup.is_first:
-        sends += [t for t in setup.stage.example_inputs if t.requires_grad]
+    """The stage's plan as the pipeline prices it: its step less the optimizer, split into
+    forward and backward as its nodes' prices are, plus its sends on the pp dim (its outputs
+    forward, its inputs' gradients back), per microbatch; its memory (the plan's, which
+    counts the microbatches in flight)."""
+    ahead = [t for t in outputs if isinstance(t, torch.Tensor)] if not setup.is_last else []
+    back = [] if setup.is_first else [t for t in setup.stage.example_inputs if t.requires_grad]
     ways = setup.mesh.shape[0]
-    local = [t.numel() * t.element_size() / (ways if setup.splits_rows(t) else 1) for t in sends]
+
+    def sent_us(tensors: list[torch.Tensor]) -> float:
+        local = (
+            t.numel() * t.element_size() / (ways if setup.splits_rows(t) else 1) for t in tensors
+        )
+        return sum(transfer_us(nbytes, whole) for nbytes in local)
+
     totals, memory = plan.totals, plan.memory
+    body = totals.total_us - totals.optimizer_us
     return StagePrice(
-        microbatch_us=totals.total_us
-        - totals.optimizer_us
-        + sum(transfer_us(nbytes, whole) for nbytes in local),
+        microbatch_us=body + sent_us(ahead) + sent_us(back),
+        forward_us=body * _forward_share(plan) + sent_us(ahead),
         optimizer_us=totals.optimizer_us,
         peak_bytes=None if memory is None else float(memory.peak),
         activation_bytes=None if memory is None else float(memory.activations),
     )
+
+
+def _forward_share(plan: Plan) -> float:
+    """The forward's part of the plan's node prices (compute, comm, transitions)."""
+    by_phase = {"forward": 0.0, "backward": 0.0}
+    for node in plan.nodes.values():
+        if node.phase in by_phase:
+            by_phase[node.phase] += node.compute_us + node.comm_us + node.transition_us
+    total = sum(by_phase.values())
+    return by_phase["forward"] / total if total > 0 else 0.0
 
 
 def exchanged_prices(mine: StagePrice | None, setup: StageSetup) -> list[StagePrice | None] | None:

@@ -15,7 +15,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.files.plan_json import plan_json
-from autoparallel.models import Llama
+from autoparallel.models import Llama, llama_config
+from autoparallel.report import render_html
 from autoparallel.trace.stages import find_layer_stack, split_stages, stage_layer_counts
 from autoparallel.types.pipeline import PipelineConfig, PipelineError
 
@@ -137,9 +138,12 @@ def test_a_pipelined_plan_says_its_stages(fake_mesh):
     cost = plan.pipeline.cost
     assert len(cost.stage_microbatch_us) == 2
     assert cost.stage_microbatch_us[0] > plan.totals.total_us - plan.totals.optimizer_us
-    times = cost.stage_microbatch_us
-    assert cost.bubble_us == pytest.approx(sum(times) - max(times))  # two microbatches
-    assert cost.step_us >= sum(times) + max(times)  # and the slowest optimizer step
+    # the schedule played out: 2 stages x 2 microbatches x (forward, backward), drawn in
+    # the report's pipeline section
+    assert len(cost.timeline) == 8
+    assert cost.step_us >= max(b.end_us for b in cost.timeline)
+    page = render_html(plan_json(plan))
+    assert '<section id="pipeline">' in page and page.count("<rect ") == 8
     # GPipe: both microbatches' activations held at once, on every stage (the plan counts both)
     assert [m["in_flight"] for m in pipeline["stage_memory"]] == [2, 2]
     assert pipeline["memory"]["activations"] == pytest.approx(plan.memory.activations)
@@ -205,14 +209,45 @@ def test_the_command_plans_a_pipeline_stage_and_says_so(tmp_path):
     assert data["inputs"][0]["placements"].startswith("S(0)")  # the microbatch's rows over dp
 
 
-def test_the_pipeline_step_is_the_slowest_stage_times_the_microbatches_plus_the_fill():
-    from autoparallel.cost.pipeline import pipeline_cost
+def test_the_pipeline_step_plays_out_the_schedule():
+    from autoparallel.cost.pipeline import pass_order, pipeline_cost
 
-    cost = pipeline_cost([10.0, 30.0, 20.0], [1.0, 5.0, 2.0], microbatches=4)
-    # the first microbatch crosses all three stages (60), then 3 more of the slowest (90)
-    assert cost.step_us == 60.0 + 90.0 + 5.0
-    assert cost.bubble_us == 150.0 - 4 * 30.0
-    assert cost.stage_microbatch_us == (10.0, 30.0, 20.0)
+    # 1F1B on stage 1 of 2 with 3 microbatches: one forward ahead, then B, F in turn
+    assert pass_order("1f1b", 1, 2, 3) == [
+        ("forward", 0),
+        ("backward", 0),
+        ("forward", 1),
+        ("backward", 1),
+        ("forward", 2),
+        ("backward", 2),
+    ]
+    assert pass_order("gpipe", 1, 2, 2) == [
+        ("forward", 0),
+        ("forward", 1),
+        ("backward", 0),
+        ("backward", 1),
+    ]
+    # equal stages: (M + stages - 1) passes of f + b, under both schedules
+    for schedule in ("gpipe", "1f1b"):
+        cost = pipeline_cost(schedule, [10.0] * 3, [20.0] * 3, [1.0, 5.0, 2.0], microbatches=4)
+        assert cost.step_us == (4 + 3 - 1) * 30.0 + 5.0
+        assert cost.bubble_us == 6 * 30.0 - 4 * 30.0
+        assert len(cost.timeline) == 3 * 4 * 2
+    # by hand, 2 stages, 2 microbatches, 1F1B: stage 1 runs F0 1-2, B0 2-4, F1 4-5, B1 5-7;
+    # stage 0 runs F0 0-1, F1 1-2, then B0 once stage 1's is done (4-6) and B1 (7-9)
+    cost = pipeline_cost("1f1b", [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], microbatches=2)
+    spans = [(b.stage, b.kind[0], b.microbatch, b.start_us, b.end_us) for b in cost.timeline]
+    assert spans == [
+        (0, "f", 0, 0.0, 1.0),
+        (0, "f", 1, 1.0, 2.0),
+        (0, "b", 0, 4.0, 6.0),
+        (0, "b", 1, 7.0, 9.0),
+        (1, "f", 0, 1.0, 2.0),
+        (1, "b", 0, 2.0, 4.0),
+        (1, "f", 1, 4.0, 5.0),
+        (1, "b", 1, 5.0, 7.0),
+    ]
+    assert cost.step_us == 9.0
 
 
 def test_a_stage_holds_the_activations_of_the_microbatches_its_schedule_keeps_in_flight(
@@ -236,6 +271,24 @@ def test_a_stage_holds_the_activations_of_the_microbatches_its_schedule_keeps_in
             [2, 1] if schedule == "1f1b" else [4, 4]
         )
     assert activations["gpipe"] == pytest.approx(2 * activations["1f1b"])
+
+
+def test_middle_stages_are_planned_once_and_each_holds_its_own_microbatches(fake_mesh):
+    """4 stages of one layer each: stages 1 and 2 plan alike and are planned once, but under
+    1F1B stage 1 holds 3 microbatches' activations and stage 2 only 2."""
+    with torch.device("meta"):
+        model = Llama(llama_config("tiny", n_layers=4))
+    tokens = torch.zeros(8, 32, dtype=torch.long)
+    with AutoParallel(
+        model, lambda: tokens, fake_mesh((4, 2), ("pp", "dp")), hardware="cpu"
+    ) as autop:
+        autop.add_pipeline_constraint(schedule="1f1b", microbatches=4)
+        plan = autop.optimize_placement()
+    memory, times = plan.pipeline.stage_memory, plan.pipeline.cost.stage_microbatch_us
+    assert [m.in_flight for m in memory] == [4, 3, 2, 1]
+    assert times[1] == times[2]
+    assert memory[1].activations == pytest.approx(1.5 * memory[2].activations)
+    assert memory[1].peak - memory[2].peak == pytest.approx(memory[2].activations / 2)
 
 
 def test_the_fastest_setting_within_the_budget_is_kept():

@@ -1,17 +1,20 @@
 """The price of running a plan's stages as a pipeline (all in us).
 
 Each stage's plan prices one microbatch's forward and backward on the stage's own mesh
-(its ``totals`` less the optimizer step, which runs once per step). The schedules here
-(GPipe, 1F1B, neither interleaved) run every microbatch through every stage in order, so
-with per-microbatch stage times ``t_0 .. t_{p-1}`` and ``M`` microbatches the step takes
-the first microbatch's trip through all stages plus ``M - 1`` more of the slowest stage:
+(its ``totals`` less the optimizer step, which runs once per step), split into the forward's
+and the backward's part. The step is the schedule played out (``timeline``): each stage runs
+its passes in the order torch.distributed.pipelining's schedule gives it (GPipe: every
+forward, then every backward; 1F1B: ``min(M, stages - i)`` forwards on stage ``i``, then a
+backward and a forward in turn, then the remaining backwards), each pass starting when the
+stage is free and its input is there (a forward after the stage before ran it, a backward
+after the stage after ran its own). For stages of equal times ``f + b`` both schedules take
 
-    step = sum(t) + (M - 1) * max(t) + the slowest stage's optimizer step
+    step = (M + stages - 1) * (f + b) + the slowest stage's optimizer step
 
-and the bubble, the time the slowest stage waits, is ``step - M * max(t)`` (before the
-optimizer). GPipe and 1F1B take the same time in this model; 1F1B holds fewer microbatches'
-activations at once. Each cut costs a point-to-point send of its tensors forward and of their
-gradients back per microbatch, on the ``pp`` dim's link, charged to the stage that sends.
+and the bubble, the time the busiest stage waits, is the step (before the optimizer) less
+its ``M`` passes. 1F1B holds fewer microbatches' activations at once. Each cut costs a
+point-to-point send of its tensors forward and of their gradients back per microbatch, on
+the ``pp`` dim's link, charged to the stage that sends.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from collections.abc import Sequence
 
 from autoparallel.cost.topology import Topology
 from autoparallel.types.pipeline import (
+    PassKind,
     PipelineCost,
     PipelineOption,
     ScheduleName,
     StageMemory,
     StagePrice,
+    TimelineBlock,
 )
 
 
@@ -46,17 +51,70 @@ def microbatches_in_flight(
     return min(num_stages - stage_index, microbatches)
 
 
+def pass_order(
+    schedule: ScheduleName, stage_index: int, num_stages: int, microbatches: int
+) -> list[tuple[PassKind, int]]:
+    """The passes stage ``stage_index`` runs, in order (see the module docstring)."""
+    forwards = [("forward", m) for m in range(microbatches)]
+    backwards = [("backward", m) for m in range(microbatches)]
+    if schedule == "gpipe":
+        return forwards + backwards
+    warmup = microbatches_in_flight(schedule, stage_index, num_stages, microbatches)
+    order = forwards[:warmup]
+    for m in range(microbatches):
+        order.append(backwards[m])
+        if warmup + m < microbatches:
+            order.append(forwards[warmup + m])
+    return order
+
+
+def timeline(
+    schedule: ScheduleName,
+    forward_us: Sequence[float],
+    backward_us: Sequence[float],
+    microbatches: int,
+) -> tuple[TimelineBlock, ...]:
+    """Every stage's passes in time: each starts when its stage is free and its input is
+    there (a forward once the stage before ran it, a backward once the stage after did)."""
+    stages = len(forward_us)
+    orders = [pass_order(schedule, i, stages, microbatches) for i in range(stages)]
+    done: dict[tuple[int, PassKind, int], float] = {}
+    free, nxt = [0.0] * stages, [0] * stages
+    blocks: list[TimelineBlock] = []
+    while len(blocks) < sum(len(order) for order in orders):
+        for i in range(stages):
+            if nxt[i] == len(orders[i]):
+                continue
+            kind, m = orders[i][nxt[i]]
+            source = i - 1 if kind == "forward" else i + 1
+            ready = done.get((source, kind, m)) if 0 <= source < stages else 0.0
+            if ready is None:
+                continue  # the pass it waits for is not placed yet
+            start = max(free[i], ready)
+            end = start + (forward_us[i] if kind == "forward" else backward_us[i])
+            blocks.append(TimelineBlock(i, m, kind, start, end))
+            done[(i, kind, m)], free[i], nxt[i] = end, end, nxt[i] + 1
+    return tuple(sorted(blocks, key=lambda b: (b.stage, b.start_us)))
+
+
 def pipeline_cost(
-    microbatch_us: Sequence[float], optimizer_us: Sequence[float], microbatches: int
+    schedule: ScheduleName,
+    forward_us: Sequence[float],
+    backward_us: Sequence[float],
+    optimizer_us: Sequence[float],
+    microbatches: int,
 ) -> PipelineCost:
-    """The step of ``microbatches`` through stages taking ``microbatch_us`` each (see the
-    module docstring); ``optimizer_us``: each stage's optimizer step."""
-    slowest = max(microbatch_us)
-    flow = sum(microbatch_us) + (microbatches - 1) * slowest
+    """The step of ``microbatches`` through stages whose forward and backward of one
+    microbatch take ``forward_us`` and ``backward_us`` (see the module docstring);
+    ``optimizer_us``: each stage's optimizer step."""
+    blocks = timeline(schedule, forward_us, backward_us, microbatches)
+    flow = max(block.end_us for block in blocks)
+    per_stage = [f + b for f, b in zip(forward_us, backward_us)]
     return PipelineCost(
-        stage_microbatch_us=tuple(float(t) for t in microbatch_us),
-        bubble_us=float(flow - microbatches * slowest),
+        stage_microbatch_us=tuple(float(t) for t in per_stage),
+        bubble_us=float(flow - microbatches * max(per_stage)),
         step_us=float(flow + max(optimizer_us)),
+        timeline=blocks,
     )
 
 
@@ -67,7 +125,11 @@ def price_stages(
     ``schedule`` (a stage's plan counts its microbatches in flight: see
     ``Problem.activation_copies``)."""
     cost = pipeline_cost(
-        [p.microbatch_us for p in prices], [p.optimizer_us for p in prices], microbatches
+        schedule,
+        [p.forward_us for p in prices],
+        [p.microbatch_us - p.forward_us for p in prices],
+        [p.optimizer_us for p in prices],
+        microbatches,
     )
     memory = tuple(
         None

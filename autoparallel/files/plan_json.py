@@ -208,6 +208,11 @@ def _pipeline(plan: Plan) -> dict[str, Any] | None:
             "stage_microbatch_us": [json_float(t) for t in pipeline.cost.stage_microbatch_us],
             "bubble_us": json_float(pipeline.cost.bubble_us),
             "step_us": json_float(pipeline.cost.step_us),
+            # [stage, microbatch, "forward" | "backward", start_us, end_us] per pass
+            "timeline": [
+                [b.stage, b.microbatch, b.kind, json_float(b.start_us), json_float(b.end_us)]
+                for b in pipeline.cost.timeline
+            ],
         },
         "memory": _stage_memory(pipeline.memory),
         "stage_memory": [_stage_memory(m) for m in pipeline.stage_memory],

@@ -38,6 +38,7 @@ from autoparallel.report.html_costs import (
     totals_section,
 )
 from autoparallel.report.html_memory import memory_section
+from autoparallel.report.html_pipeline import pipeline_section
 from autoparallel.report.html_regions import regions_section
 from autoparallel.report.summary import hardware_lines
 from autoparallel.report.template import embed_json, format_bytes, json_safe, placement_html
@@ -55,7 +56,8 @@ def render_html(data: Mapping[str, Any]) -> str:
     body = "\n".join(
         [
             _header(data),
-            _nav(),
+            _nav(data),
+            pipeline_section(data),
             totals_section(data),
             memory_section(data),
             _solver_section(data),
@@ -140,8 +142,9 @@ def _header(data: Mapping[str, Any]) -> str:
     )
 
 
-def _nav() -> str:
-    links = [
+def _nav(data: Mapping[str, Any]) -> str:
+    links = [("pipeline", "pipeline")] if data.get("pipeline") else []
+    links += [
         ("totals", "totals"),
         ("memory", "memory"),
         ("solver", "solver"),

@@ -75,15 +75,30 @@ def stage_spans(stages: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+PassKind = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class TimelineBlock:
+    """One stage running one microbatch's forward or backward in the predicted schedule."""
+
+    stage: int
+    microbatch: int
+    kind: PassKind
+    start_us: float
+    end_us: float
+
+
 @dataclass(frozen=True)
 class PipelineCost:
     """The predicted step of the pipeline (us; cost/pipeline.py): each stage's time for one
-    microbatch's forward and backward with its sends, the slowest stage's idle time (the
-    bubble), and the whole step with the optimizer."""
+    microbatch's forward and backward with its sends, the busiest stage's idle time (the
+    bubble), the whole step with the optimizer, and the schedule's blocks in time."""
 
     stage_microbatch_us: tuple[float, ...]
     bubble_us: float
     step_us: float
+    timeline: tuple[TimelineBlock, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,7 @@ class StagePrice:
     (None without a memory estimate)."""
 
     microbatch_us: float
+    forward_us: float  # the forward's part of microbatch_us
     optimizer_us: float
     peak_bytes: float | None = None
     activation_bytes: float | None = None

@@ -1,0 +1,108 @@
+"""The HTML report's pipeline section (a mesh with a "pp" dim): the schedule in time, every
+stage's microbatch time and memory, and the settings the planner priced.
+
+The timeline is an inline SVG drawn from the plan JSON's ``pipeline.cost.timeline`` (one
+row per stage, one block per forward or backward of a microbatch, cost/pipeline.py), so the
+bubble shows as the gaps; nothing is computed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from autoparallel.report import template as t
+from autoparallel.types.pipeline import stage_spans
+
+ROW_PX, WIDTH_PX, LABEL_PX = 18, 860, 64
+PASS_COLOURS = {"forward": "#3b7dd8", "backward": "#e8833a"}
+
+
+def pipeline_section(data: Mapping[str, Any]) -> str:
+    pipeline = data.get("pipeline")
+    if not pipeline:
+        return ""
+    cost = pipeline.get("cost") or {}
+    spans = stage_spans(pipeline["stages"])
+    head = (
+        f"<p>{len(spans)} stages, {t.esc(pipeline['schedule'])}, "
+        f"{pipeline['microbatches']} microbatches; the rest of this report is stage "
+        f"{pipeline['stage_index']}'s plan on the other mesh dims, for one microbatch.</p>"
+    )
+    if cost:
+        head += (
+            f"<p>Predicted step <b>{t.us(cost['step_us'])}</b>, of which the busiest stage "
+            f"waits {t.us(cost['bubble_us'])} (the bubble).</p>"
+        )
+    body = head + _timeline(cost.get("timeline") or [], len(spans))
+    body += _stages_table(pipeline, spans) + _options_table(pipeline.get("options") or [])
+    return t.section(
+        "pipeline",
+        "Pipeline",
+        body,
+        "Each stage runs its microbatches' forwards (blue) and backwards (orange) in the "
+        "schedule's order, each once its input is there: the gaps are the bubble.",
+    )
+
+
+def _timeline(blocks: Sequence[Sequence[Any]], stages: int) -> str:
+    if not blocks:
+        return t.empty("no timeline: the other stages' times are not known to this plan")
+    end = max(float(b[4]) for b in blocks) or 1.0
+    scale = (WIDTH_PX - LABEL_PX) / end
+    rects = [
+        f'<text x="0" y="{i * ROW_PX + 13}" font-size="11">stage {i}</text>' for i in range(stages)
+    ]
+    for stage, microbatch, kind, start, stop in blocks:
+        x, width = LABEL_PX + float(start) * scale, max((float(stop) - float(start)) * scale, 1.0)
+        y = int(stage) * ROW_PX + 2
+        title = f"stage {stage}, microbatch {microbatch}, {kind}: {t.us(start)} to {t.us(stop)}"
+        rects.append(
+            f'<rect x="{x:.1f}" y="{y}" width="{width:.1f}" height="{ROW_PX - 4}" '
+            f'fill="{PASS_COLOURS.get(kind, "#9aa5b1")}" stroke="#fff" stroke-width="0.5">'
+            f"<title>{t.esc(title)}</title></rect>"
+        )
+        if width > 14:
+            rects.append(
+                f'<text x="{x + width / 2:.1f}" y="{y + 11}" font-size="9" fill="#fff" '
+                f'text-anchor="middle">{int(microbatch)}</text>'
+            )
+    height = stages * ROW_PX + 4
+    return (
+        f'<svg class="timeline" width="{WIDTH_PX}" height="{height}" '
+        f'viewBox="0 0 {WIDTH_PX} {height}" role="img" aria-label="pipeline timeline">'
+        + "".join(rects)
+        + "</svg>"
+    )
+
+
+def _stages_table(pipeline: Mapping[str, Any], spans: Sequence[str]) -> str:
+    cost = pipeline.get("cost") or {}
+    times = cost.get("stage_microbatch_us") or [None] * len(spans)
+    memory = pipeline.get("stage_memory") or [None] * len(spans)
+    rows = []
+    for span, time_us, held in zip(spans, times, memory):
+        stage, _, layers = span.partition(": ")
+        peak = t.format_bytes(held["peak"]) if held else "-"
+        in_flight = str(held["in_flight"]) if held else "-"
+        rows.append(
+            f"<tr><td>{t.esc(stage)}</td><td>{t.esc(layers)}</td>"
+            f'<td class="num">{t.us(time_us)}</td><td class="num">{t.esc(in_flight)}</td>'
+            f'<td class="num">{t.esc(peak)}</td></tr>'
+        )
+    headers = ["stage", "layers", "a microbatch#", "microbatches in flight#", "peak memory#"]
+    return t.table(headers, rows)
+
+
+def _options_table(options: Sequence[Mapping[str, Any]]) -> str:
+    if len(options) < 2:
+        return ""
+    rows = [
+        f'<tr><td>{t.esc(o["schedule"])}</td><td class="num">{o["microbatches"]}</td>'
+        f'<td class="num">{t.us(o["step_us"]) if o["step_us"] is not None else "no plan"}</td>'
+        f'<td class="num">{t.format_bytes(o["peak"]) if o["peak"] is not None else "-"}</td></tr>'
+        for o in options
+    ]
+    return "<p>The settings priced (the fastest within the memory budget is kept):</p>" + t.table(
+        ["schedule", "microbatches#", "predicted step#", "largest stage peak#"], rows
+    )
