@@ -36,6 +36,7 @@ from autoparallel.stage_setup import (
     StageSetup,
     check_materialized,
     is_pipeline_mesh,
+    with_stage_dim,
     without_pipeline_dim,
 )
 from autoparallel.strategies.space import build_strategy_space
@@ -117,6 +118,8 @@ class AutoParallel(PipelinePlanning):
             raise TypeError(
                 f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
             )
+        if is_pipeline_mesh(mesh):
+            mesh = with_stage_dim(mesh)
         for name, flag in (
             ("fold", fold),
             ("dynamic", dynamic),
@@ -242,7 +245,7 @@ class AutoParallel(PipelinePlanning):
         they bind the first stage (the others take the hidden states as the cut pins them).
         """
         if self.stage_setup is not None:
-            constraints = without_pipeline_dim(constraints, "input")
+            constraints = without_pipeline_dim(constraints, "input", self.mesh.ndim)
             if not self.stage_setup.is_first:
                 return []
         joint = self.sharding_optimizer.problem.joint
@@ -257,7 +260,7 @@ class AutoParallel(PipelinePlanning):
         the tuples are written on the whole mesh and bind the last stage.
         """
         if self.stage_setup is not None:
-            constraints = without_pipeline_dim(constraints, "output")
+            constraints = without_pipeline_dim(constraints, "output", self.mesh.ndim)
             if not self.stage_setup.is_last:
                 return []
         joint = self.sharding_optimizer.problem.joint

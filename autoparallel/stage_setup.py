@@ -94,7 +94,7 @@ class StageSetup:
 
 def is_pipeline_mesh(mesh: DeviceMesh) -> bool:
     """Whether ``mesh`` asks for pipeline stages; raises PipelineError for a ``pp`` dim that is
-    not the first or that is the only one."""
+    not the first."""
     names = tuple(mesh.mesh_dim_names or ())
     if PIPELINE_DIM not in names:
         return False
@@ -102,12 +102,18 @@ def is_pipeline_mesh(mesh: DeviceMesh) -> bool:
         raise PipelineError(
             f"the '{PIPELINE_DIM}' mesh dim must be the mesh's first, got mesh_dim_names={names}"
         )
-    if len(names) < 2:
-        raise PipelineError(
-            f"a '{PIPELINE_DIM}' mesh needs at least one more dim to plan each stage on: e.g. "
-            f"init_device_mesh(..., ({mesh.shape[0]}, 1), mesh_dim_names=('pp', 'dp'))"
-        )
     return True
+
+
+def with_stage_dim(mesh: DeviceMesh) -> DeviceMesh:
+    """A mesh of ``pp`` alone as ``(pp, 1)``, named ``("pp", "dp")``: each stage is then
+    planned on a mesh of its one device. Collective (it builds the new dims' groups): every
+    rank calls it, as every rank constructs ``AutoParallel``."""
+    if mesh.ndim > 1:
+        return mesh
+    return DeviceMesh(
+        mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=(PIPELINE_DIM, "dp")
+    )
 
 
 @dataclass(frozen=True)
@@ -301,10 +307,11 @@ def check_materialized(setup: StageSetup) -> None:
         )
 
 
-def without_pipeline_dim(constraints: Any, what: str) -> Any:
+def without_pipeline_dim(constraints: Any, what: str, stage_ndim: int) -> Any:
     """The user's placement tuples, written on the whole mesh, without their ``pp`` entry
     (which must be Replicate: the pipeline moves whole microbatches, it does not split a
-    tensor over the stages)."""
+    tensor over the stages); on a mesh of ``pp`` alone, the stage's one-device dim's
+    Replicate (``with_stage_dim``)."""
     if not isinstance(constraints, (list, tuple)):
         return constraints  # the planner's own check names the problem
     stripped = []
@@ -317,7 +324,7 @@ def without_pipeline_dim(constraints: Any, what: str) -> Any:
                 f"{what} {index}: the placement on the '{PIPELINE_DIM}' mesh dim must be "
                 f"Replicate(), got {placements[0]!r} (stages pass whole microbatches)"
             )
-        stripped.append(tuple(placements[1:]))
+        stripped.append(tuple(placements[1:]) or (Replicate(),) * stage_ndim)
     return stripped
 
 

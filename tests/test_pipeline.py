@@ -53,6 +53,18 @@ def test_pipelined_training_equals_one_device(ranks, tmp_path):
     assert "Shard(dim=0)" in last[0]["input_placements"][0]
 
 
+def test_a_mesh_of_pp_alone_trains_equal_to_one_device_under_gpipe(ranks, tmp_path):
+    """Two ranks, one stage each, nothing else split: GPipe over 2 microbatches."""
+    expected = reference()
+    results = ranks(2).run(train_pipelined, "gpipe", 2, str(tmp_path), False, True, timeout_s=600)
+    assert [r["stage"] for r in results] == [0, 1]
+    assert results[1]["losses"] == pytest.approx(expected["losses"], abs=TOLERANCE)
+    for result in results:
+        assert result["reloaded_equal"]
+        for name, value in result["params"].items():
+            assert torch.allclose(value, expected["params"][name], atol=TOLERANCE), name
+
+
 def test_stages_are_cut_at_the_layer_stack_and_the_model_is_left_as_it_was():
     with torch.device("meta"):
         model = Llama(CONFIG)
@@ -90,8 +102,6 @@ def _planner(fake_mesh, shape, names, batch=8):
 def test_a_pipeline_that_cannot_run_is_refused_with_what_to_change(fake_mesh):
     with pytest.raises(PipelineError, match="must be the mesh's first"):
         _planner(fake_mesh, (2, 2), ("dp", "pp"))
-    with pytest.raises(PipelineError, match=r"at least one more dim.*\(2, 1\)"):
-        _planner(fake_mesh, (2,), ("pp",))
     with pytest.raises(PipelineError, match="3 microbatches of the batch of 8"):
         with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
             autop.add_pipeline_constraint(microbatches=3)
@@ -271,6 +281,15 @@ def test_a_stage_holds_the_activations_of_the_microbatches_its_schedule_keeps_in
             [2, 1] if schedule == "1f1b" else [4, 4]
         )
     assert activations["gpipe"] == pytest.approx(2 * activations["1f1b"])
+
+
+def test_a_mesh_of_pp_alone_plans_each_stage_on_its_one_device(fake_mesh):
+    with _planner(fake_mesh, (2,), ("pp",)) as autop:
+        autop.add_pipeline_constraint(microbatches=2)
+        autop.add_input_constraints([(Replicate(),)])  # written on the whole mesh: pp
+        plan = autop.optimize_placement()
+    assert plan.mesh_dim_names == ("dp",) and plan.mesh_shape == (1,)
+    assert plan.pipeline.num_stages == 2 and len(plan.pipeline.cost.stage_microbatch_us) == 2
 
 
 def test_middle_stages_are_planned_once_and_each_holds_its_own_microbatches(fake_mesh):

@@ -71,14 +71,18 @@ def train_pipelined(
     microbatches: int,
     checkpoint: str,
     bf16: bool = False,
+    pp_alone: bool = False,
 ) -> dict[str, Any]:
-    """Plan on a (2, world_size // 2) pp x dp gloo mesh with the schedule and microbatches
+    """Plan on a (2, world_size // 2) pp x dp gloo mesh (``pp_alone``: a (2,) pp mesh; ``bf16``:
+    under a bf16/fp32 policy) with the schedule and microbatches
     fixed, then STEPS AdamW steps with ``pipe.step``: this rank's stage's losses per step
     (last stage only), its gradients of step 0, its parameters after, and whether a DCP
     checkpoint in ``checkpoint`` (a directory) gives them back."""
-    dp = world_size // 2
-    mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp"))
-    rows = (Replicate(), Shard(0))  # whole microbatches between stages, rows split over dp
+    dp = 1 if pp_alone else world_size // 2
+    shape, names = ((2,), ("pp",)) if pp_alone else ((2, dp), ("pp", "dp"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    # whole microbatches between stages, rows split over dp
+    rows = (Replicate(),) if pp_alone else (Replicate(), Shard(0))
     all_batches = batches()
     model, policy = _model(), _policy(bf16)
     with AutoParallel(model, lambda: all_batches[0][0], mesh, policy, hardware="cpu") as autop:
@@ -91,7 +95,7 @@ def train_pipelined(
             plan, loss_fn=lambda out, tgt: F.mse_loss(out.float(), tgt) / dp
         )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
-    row = mesh.get_local_rank("dp")
+    row = 0 if pp_alone else mesh.get_local_rank("dp")
     losses, grads = [], {}
     for step, (tokens, target) in enumerate(all_batches):
         optimizer.zero_grad()
