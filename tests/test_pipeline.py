@@ -216,6 +216,9 @@ def test_the_command_plans_a_pipeline_stage_and_says_so(tmp_path):
     assert re.search(r"pipeline settings priced: 1f1b x2 .*; 1f1b x4 ", result.stdout)
     data = json.loads(out.read_text())
     assert data["pipeline"]["stage_index"] == 0 and data["mesh"]["dim_names"] == ["dp"]
+    refused = run_cli(*args[:4], "2x2", "--batch", "8", "--seq", "32", "--schedule", "gpipe")
+    assert refused.returncode != 0
+    assert "need a mesh whose first dim is named pp" in refused.stderr
     assert data["inputs"][0]["placements"].startswith("S(0)")  # the microbatch's rows over dp
 
 

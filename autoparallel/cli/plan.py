@@ -188,6 +188,8 @@ def _planned(
         gpus_per_node=request.gpus_per_node,
         trace_layers_once=not request.trace_all_layers,
     ) as autop:
+        if request.schedule is not None or request.microbatches is not None:
+            autop.add_pipeline_constraint(request.schedule, request.microbatches)
         joint = autop.sharding_optimizer.problem.joint
         outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
         autop.add_input_constraints(_batch_split(autop, joint.user_inputs, request.batch))

@@ -158,6 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
         "every activation saved)",
     )
     plan.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b"),
+        default=None,
+        help="with a pp mesh dim: the pipeline schedule (default: 1f1b where there are at "
+        "least as many microbatches as stages, else gpipe)",
+    )
+    plan.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="with a pp mesh dim: microbatches per step (default: the planner prices every "
+        "count from the stages to 4x that divides each rank's rows and keeps the fastest)",
+    )
+    plan.add_argument(
         "--param-dtype",
         choices=sorted(DTYPES),
         default=None,
@@ -221,6 +235,8 @@ class PlanRequest:
     optimizer: str | float = "adamw"
     activation_checkpointing: str = "off"  # "auto": the memory constraint may recompute
     devices: int | None = None  # search the mesh of this many devices (mesh_shape: its 1-D)
+    schedule: str | None = None  # with a "pp" mesh dim: add_pipeline_constraint's
+    microbatches: int | None = None
 
     def mp_policy(self) -> Any:
         """torch's MixedPrecisionPolicy for the dtype flags, or None without them."""
@@ -334,9 +350,20 @@ def validate(args: argparse.Namespace) -> PlanRequest:
     if args.layers is not None and args.layers < 1:
         raise UsageError(f"--layers must be a positive integer, got {args.layers}")
     hardware = _hardware(args.hardware)
-    if args.devices is None and args.batch % shape[0]:
+    pipelined = names is not None and names[0] == "pp"
+    if (args.schedule or args.microbatches) and not pipelined:
+        raise UsageError("--schedule and --microbatches need a mesh whose first dim is named pp")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise UsageError(f"--microbatches must be a positive integer, got {args.microbatches}")
+    batch_dim = 1 if pipelined and len(shape) > 1 else 0  # pp moves whole microbatches
+    if (
+        args.devices is None
+        and not (pipelined and len(shape) == 1)
+        and args.batch % shape[batch_dim]
+    ):
         raise UsageError(
-            f"--batch {args.batch} is not divisible by the first mesh dim ({shape[0]}), which shards the batch"
+            f"--batch {args.batch} is not divisible by mesh dim {batch_dim} ({shape[batch_dim]}), "
+            "which shards the batch"
         )
     model = args.model.strip()
     if model.lower() in BUILTIN_MODELS:
@@ -384,6 +411,8 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         parse_optimizer(args.optimizer),
         args.activation_checkpointing,
         args.devices,
+        args.schedule,
+        args.microbatches,
     )
 
 
