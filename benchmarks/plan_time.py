@@ -81,7 +81,8 @@ def session(args, model, config, mesh, batch_sharded, mp_policy, **options) -> I
         **options,
     ) as autop:
         autop.add_input_constraints([batch_sharded])
-        autop.add_output_constraints([batch_sharded])
+        if autop.stage_setup is None:  # with pp the cut pins the first stage's outputs
+            autop.add_output_constraints([batch_sharded])
         yield autop
 
 
@@ -125,9 +126,28 @@ def unfolded_size(problem) -> tuple[int, int]:
     return variables, constraints
 
 
+def pipeline_fields(plan, stages: dict) -> dict:
+    """With pipeline stages: the setting kept, the predicted step and bubble, the largest
+    stage peak (the plan's own peak is stage 0's) and the time the cut took."""
+    pipeline = plan.pipeline if plan is not None else None
+    if pipeline is None:
+        return {}
+    peaks = [m.peak for m in pipeline.stage_memory if m is not None]
+    return {
+        "pipeline": pipeline.describe().split(";")[0].split(", stage 0")[0],
+        "stages": pipeline.num_stages,
+        "pipeline_step_ms": round(pipeline.cost.step_us / 1e3, 2) if pipeline.cost else None,
+        "pipeline_bubble_ms": round(pipeline.cost.bubble_us / 1e3, 2) if pipeline.cost else None,
+        "largest_stage_peak_gib": round(max(peaks) / 2**30, 3) if peaks else None,
+        "cut_s": round(stages.get("cut", 0.0), 2),
+    }
+
+
 def question(args: argparse.Namespace) -> str:
     """The results key of a run: the model and mesh, then every setting off its default."""
     parts = [args.model, args.mesh]
+    if args.mesh_names is not None:
+        parts.append(args.mesh_names.replace(",", ""))
     if args.layers is not None:
         parts.append(f"layers{args.layers}")
     if args.batch != 8 or args.seq != 2048:
@@ -183,6 +203,12 @@ def main() -> None:
         "moe-tiny or moe-16b",
     )
     parser.add_argument("--mesh", default="8x8")
+    parser.add_argument(
+        "--mesh-names",
+        default=None,
+        help="comma-separated dim names; a first dim named pp plans pipeline stages (the "
+        "batch then split over the dim after it)",
+    )
     parser.add_argument("--layers", type=int, default=None, help="default: the model's own depth")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -234,7 +260,9 @@ def main() -> None:
 
     shape = tuple(int(s) for s in args.mesh.split("x"))
     moe = args.model in MOE_MODELS
-    mesh = fake_mesh(shape, MOE_MESH_NAMES[len(shape)] if moe else None)
+    names = tuple(args.mesh_names.split(",")) if args.mesh_names else None
+    mesh = fake_mesh(shape, names or (MOE_MESH_NAMES[len(shape)] if moe else None))
+    pipelined = names is not None and names[0] == "pp"
     overrides = {} if args.layers is None else {"n_layers": args.layers}
     with torch.device("meta"):
         if moe:
@@ -246,6 +274,8 @@ def main() -> None:
                 hf_llama_like(config, args.seq) if args.model.startswith("hf-") else Llama(config)
             )
     batch_sharded = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
+    if pipelined:  # whole microbatches between stages, rows over the dim after pp
+        batch_sharded = (Replicate(),) + batch_sharded[:-1] if len(shape) > 1 else (Replicate(),)
 
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -328,6 +358,7 @@ def main() -> None:
         if plan
         else None,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        **pipeline_fields(plan, stages),
     }
     print(json.dumps(line))
     if plan is not None:
