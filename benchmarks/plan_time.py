@@ -187,7 +187,11 @@ def describe(args: argparse.Namespace, layers: int) -> str:
         f"priced on {args.hardware}",
     ]
     return ", ".join(
-        [f"planning time, {args.model}, {layers} layers, mesh {args.mesh}, {budget}"]
+        [
+            f"planning time, {args.model}, {layers} layers, mesh {args.mesh}"
+            + (f" ({args.mesh_names.replace(',', ', ')})" if args.mesh_names else "")
+            + f", {budget}"
+        ]
         + [extra for extra in extras if extra]
     )
 
