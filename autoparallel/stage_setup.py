@@ -146,8 +146,9 @@ def pipeline_settings(
     the mesh's first dim after ``pp`` gets, from the number of stages up to four times it
     (fewer leave a stage idle for longer than it works; the planner prices each); where the
     batch has fewer rows than that, the largest count it has. Schedule: 1F1B where there are
-    at least as many microbatches as stages, else GPipe; the two take the same time (see
-    cost/pipeline.py), 1F1B holding fewer microbatches' activations."""
+    at least as many microbatches as stages, else GPipe (torch's 1F1B needs as many): 1F1B
+    holds fewer microbatches' activations, and for stages of equal times both take the
+    same time (cost/pipeline.py); GPipe is not priced beside it."""
     num_stages, rows_over = mesh.shape[0], mesh.shape[1]
     batch = _batch_rows(*_as_args(global_inputs))
     if config.microbatches is not None:
