@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autoparallel.cost.pipeline import choose_option, price_stages
+from autoparallel.cost.pipeline import balanced_layers, choose_option, price_stages
 from autoparallel.cost.topology import Topology
 from autoparallel.optimizer import ShardingOptimizer
 from autoparallel.solver.highs import InfeasibleConstraintsError
@@ -57,6 +57,9 @@ from autoparallel.types.pipeline import (
 from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
+
+CUT_ROUNDS = 3
+"""New layer splits the planner prices after the even one (each one a cut and a plan)."""
 
 
 @dataclass(frozen=True)
@@ -188,31 +191,19 @@ class PipelinePlanning:
     def _plan_pipeline(self, verbose: bool) -> Plan:
         _, input_fn, mesh, *_ = self._whole
         calls = list(self._calls)
+        replayable = self._replayable()
         settings = (
             pipeline_settings(input_fn(), mesh, self.pipeline_config)
-            if self._replayable()
+            if replayable
             else (self._setting,)
         )
-        tried: list[tuple[dict[str, Any], Plan | None, list[StagePrice | None]]] = []
         errors: list[InfeasibleConstraintsError] = []
-        for setting in settings:
-            plan, mine = None, None
-            try:
-                if setting != self._setting:
-                    self._setting = setting
-                    self.__enter__()
-                    self._replay(calls)
-                plan = self._solve(verbose)
-                mine = stage_price(self.stage_setup, plan, self._outputs(), self._whole_topology)
-            except InfeasibleConstraintsError as error:
-                errors.append(error)
-            prices = exchanged_prices(mine, self.stage_setup)
-            if prices is None:
-                prices = self._stages_planned_here(mine, calls)
-            tried.append((self._state(), plan, prices))
-        options = [self._option(state["_setting"], prices) for state, _, prices in tried]
+        tried = [self._priced(setting, calls, verbose, errors) for setting in settings]
+        options = [self._option(state, prices) for state, _, prices in tried]
         budget = self.sharding_optimizer.problem.memory_budget
         best = choose_option(options, budget)
+        if best >= 0 and replayable and self.pipeline_config.stage_layers is None:
+            best = self._even_out(tried, options, calls, verbose, errors, budget, best)
         if best < 0:
             raise errors[0] if errors else InfeasibleConstraintsError([], [])
         state, plan, prices = tried[best]
@@ -232,14 +223,72 @@ class PipelinePlanning:
         )
         return plan
 
-    def _option(self, setting: PipelineConfig, prices: list[StagePrice | None]) -> PipelineOption:
+    def _even_out(
+        self,
+        tried: list[tuple[dict[str, Any], Plan | None, list[StagePrice | None]]],
+        options: list[PipelineOption],
+        calls: list[_ConstraintCall],
+        verbose: bool,
+        errors: list[InfeasibleConstraintsError],
+        budget: float | None,
+        best: int,
+    ) -> int:
+        """The cuts: from the kept setting's stage prices, the layers per stage that even
+        them out (cost/pipeline.py's ``balanced_layers``) are planned and priced, again from
+        the new kept one, until a split comes back (at most ``CUT_ROUNDS`` new splits);
+        appends to ``tried`` and ``options``, returns the index kept."""
+        for _ in range(CUT_ROUNDS):
+            state, _, prices = tried[best]
+            if any(p is None for p in prices):
+                break
+            split = balanced_layers(prices, options[best].stage_layers)
+            if any(option.stage_layers == split for option in options):
+                break
+            setting = dataclasses.replace(state["_setting"], stage_layers=split)
+            state, plan, prices = self._priced(setting, calls, verbose, errors)
+            tried.append((state, plan, prices))
+            options.append(self._option(state, prices))
+            best = choose_option(options, budget)
+        return best
+
+    def _priced(
+        self,
+        setting: PipelineConfig,
+        calls: list[_ConstraintCall],
+        verbose: bool,
+        errors: list[InfeasibleConstraintsError],
+    ) -> tuple[dict[str, Any], Plan | None, list[StagePrice | None]]:
+        """Plan this rank's stage under ``setting`` (entering again for another than the
+        current, ``calls`` replayed) and price every stage; leaves this object in that
+        state and returns it (``_state``), the plan and the prices. Collective over the pp
+        group on a real mesh: every rank prices the same settings in the same order."""
+        plan, mine = None, None
+        try:
+            if setting != self._setting:
+                self._setting = setting
+                self.__enter__()
+                self._replay(calls)
+            plan = self._solve(verbose)
+            mine = stage_price(
+                self.stage_setup, plan, self.joint, self._outputs(), self._whole_topology
+            )
+        except InfeasibleConstraintsError as error:
+            errors.append(error)
+        prices = exchanged_prices(mine, self.stage_setup)
+        if prices is None:
+            prices = self._stages_planned_here(mine, calls)
+        return self._state(), plan, prices
+
+    def _option(self, state: dict[str, Any], prices: list[StagePrice | None]) -> PipelineOption:
+        """A priced setting (``state``: what ``_priced`` left, its cut's layers per stage)."""
+        setting = state["_setting"]
+        layers = tuple(len(stage.layers) for stage in state["_cut"].stages)
         if any(p is None for p in prices):
-            return PipelineOption(setting.schedule, setting.microbatches, None)
+            return PipelineOption(setting.schedule, setting.microbatches, None, None, layers)
         cost, memory = price_stages(setting.schedule, setting.microbatches, prices)
         peaks = [m.peak for m in memory if m is not None]
-        return PipelineOption(
-            setting.schedule, setting.microbatches, cost.step_us, max(peaks) if peaks else None
-        )
+        peak = max(peaks) if peaks else None
+        return PipelineOption(setting.schedule, setting.microbatches, cost.step_us, peak, layers)
 
     def _stages_planned_here(
         self, mine: StagePrice | None, calls: list[_ConstraintCall]
@@ -287,7 +336,9 @@ class PipelinePlanning:
                 plan = other._solve(verbose=False)
         except InfeasibleConstraintsError:
             return None, None
-        price = stage_price(other.stage_setup, plan, other._outputs(), self._whole_topology)
+        price = stage_price(
+            other.stage_setup, plan, other.joint, other._outputs(), self._whole_topology
+        )
         return price, other.sharding_optimizer
 
     def _outputs(self) -> list[Any]:

@@ -34,7 +34,9 @@ from torch.distributed.tensor.placement_types import Placement
 from autoparallel._torch_internals import tree_flatten
 from autoparallel.cost.pipeline import microbatches_in_flight, transfer_us
 from autoparallel.cost.topology import Topology
+from autoparallel.graph.layers import forward_layers
 from autoparallel.trace.stages import StageModule, split_stages
+from autoparallel.types.graph import JointGraph
 from autoparallel.types.pipeline import (
     PIPELINE_DIM,
     PipelineConfig,
@@ -224,7 +226,9 @@ def boundary_placements(
     ]
 
 
-def stage_price(setup: StageSetup, plan: Plan, outputs: list[Any], whole: Topology) -> StagePrice:
+def stage_price(
+    setup: StageSetup, plan: Plan, joint: JointGraph, outputs: list[Any], whole: Topology
+) -> StagePrice:
     """The stage's plan as the pipeline prices it: its step less the optimizer, split into
     forward and backward as its nodes' prices are, plus its sends on the pp dim (its outputs
     forward, its inputs' gradients back), per microbatch; its memory (the plan's, which
@@ -240,14 +244,35 @@ def stage_price(setup: StageSetup, plan: Plan, outputs: list[Any], whole: Topolo
         return sum(transfer_us(nbytes, whole) for nbytes in local)
 
     totals, memory = plan.totals, plan.memory
-    body = totals.total_us - totals.optimizer_us
+    body, share = totals.total_us - totals.optimizer_us, _forward_share(plan)
     return StagePrice(
         microbatch_us=body + sent_us(ahead) + sent_us(back),
-        forward_us=body * _forward_share(plan) + sent_us(ahead),
+        forward_us=body * share + sent_us(ahead),
         optimizer_us=totals.optimizer_us,
         peak_bytes=None if memory is None else float(memory.peak),
         activation_bytes=None if memory is None else float(memory.activations),
+        layer_us=_layer_us(plan, joint, setup.stage.layers, share),
     )
+
+
+def _layer_us(
+    plan: Plan, joint: JointGraph, layers: tuple[str, ...], forward_share: float
+) -> float | None:
+    """One of the stage's layers' forward and backward: the median over its layers of each
+    one's forward nodes' prices (graph/layers.py's labels; the last layer's label also
+    takes what follows it, a head), over the stage's forward share."""
+    if not layers or forward_share <= 0:
+        return None
+    by_layer = dict.fromkeys(layers, 0.0)
+    for node, label in forward_layers(joint).items():
+        if label in by_layer and node.name in plan.nodes:
+            by_layer[label] += _node_us(plan.nodes[node.name])
+    forward = sorted(by_layer.values())[(len(by_layer) - 1) // 2]
+    return forward / forward_share if forward > 0 else None
+
+
+def _node_us(node: Any) -> float:
+    return node.compute_us + node.comm_us + node.transition_us
 
 
 def _forward_share(plan: Plan) -> float:
@@ -255,7 +280,7 @@ def _forward_share(plan: Plan) -> float:
     by_phase = {"forward": 0.0, "backward": 0.0}
     for node in plan.nodes.values():
         if node.phase in by_phase:
-            by_phase[node.phase] += node.compute_us + node.comm_us + node.transition_us
+            by_phase[node.phase] += _node_us(node)
     total = sum(by_phase.values())
     return by_phase["forward"] / total if total > 0 else 0.0
 

@@ -166,12 +166,12 @@ def test_a_pipelined_plan_says_its_stages(fake_mesh):
 def test_the_planner_prices_each_microbatch_count_and_keeps_the_fastest(fake_mesh):
     """Microbatches left open: every count from the stages (2) to four times that dividing
     the 4 rows each dp rank gets is planned, the user's constraints replayed on each, and
-    the fastest kept; a memory budget that only the fewer in flight fit decides it."""
+    the fastest kept (one layer per stage: no other split to try)."""
     with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
         autop.add_input_constraints([(Replicate(), Shard(0))])
         plan = autop.optimize_placement()
     options = plan.pipeline.options
-    assert [(o.schedule, o.microbatches) for o in options] == [("1f1b", 2), ("1f1b", 4)]
+    assert [(o.schedule, o.microbatches) for o in options[:2]] == [("1f1b", 2), ("1f1b", 4)]
     fastest = min(options, key=lambda o: o.step_us)
     assert plan.pipeline.microbatches == fastest.microbatches
     assert plan.pipeline.cost.step_us == pytest.approx(fastest.step_us)
@@ -313,6 +313,45 @@ def test_middle_stages_are_planned_once_and_each_holds_its_own_microbatches(fake
     assert memory[1].peak - memory[2].peak == pytest.approx(memory[2].activations / 2)
 
 
+def test_the_layers_go_where_they_even_out_the_stages():
+    import itertools
+
+    from autoparallel.cost.pipeline import balanced_layers
+    from autoparallel.types.pipeline import StagePrice
+
+    # 2 layers each of 10 us; the first stage also runs 10 us of embedding, the last 50 of head
+    prices = [StagePrice(base + 20.0, 0.0, 0.0, layer_us=10.0) for base in (10.0, 0, 0, 50.0)]
+    split = balanced_layers(prices, (2, 2, 2, 2))
+    assert split == (2, 3, 2, 1) and sum(split) == 8
+
+    def slowest(counts):
+        return max(b + 10.0 * n for b, n in zip((10.0, 0, 0, 50.0), counts))
+
+    every = [c for c in itertools.product(range(1, 6), repeat=4) if sum(c) == 8]
+    assert slowest(split) == min(slowest(c) for c in every)
+    unknown = [StagePrice(30.0, 0.0, 0.0)] * 2
+    assert balanced_layers(unknown, (3, 1)) == (3, 1)
+
+
+def test_the_planner_moves_layers_off_a_stage_its_head_slows(fake_mesh):
+    """A vocabulary of 16384 makes the last stage's head outweigh several layers: after the
+    even split (3, 3) the planner prices the split its stages' prices call for, and keeps
+    it, being faster."""
+    with torch.device("meta"):
+        model = Llama(llama_config("tiny", n_layers=6, vocab_size=16384))
+    tokens = torch.zeros(8, 32, dtype=torch.long)
+    with AutoParallel(
+        model, lambda: tokens, fake_mesh((2, 2), ("pp", "dp")), hardware="cpu"
+    ) as autop:
+        autop.add_pipeline_constraint(microbatches=2)
+        plan = autop.optimize_placement()
+    even, balanced = plan.pipeline.options
+    assert even.stage_layers == (3, 3) and balanced.stage_layers[1] < 3
+    assert balanced.step_us < even.step_us
+    assert tuple(len(layers) for layers in plan.pipeline.stages) == balanced.stage_layers
+    assert plan.pipeline.cost.step_us == pytest.approx(balanced.step_us)
+
+
 def test_the_fastest_setting_within_the_budget_is_kept():
     from autoparallel.cost.pipeline import choose_option
     from autoparallel.types.pipeline import PipelineOption
@@ -323,6 +362,8 @@ def test_the_fastest_setting_within_the_budget_is_kept():
         PipelineOption("1f1b", 8, None),  # a stage had no plan within the constraints
     ]
     assert choose_option(options, None) == 1
+    tie = [*options, PipelineOption("1f1b", 4, 80.0, peak_bytes=60.0, stage_layers=(3, 1))]
+    assert choose_option(tie, None) == 3  # as fast, less memory
     assert choose_option(options, 60.0) == 0
     assert choose_option(options, 40.0) == 0  # none fits: the smallest peak
     assert choose_option(options[2:], None) == -1

@@ -144,10 +144,29 @@ def price_stages(
     return cost, memory
 
 
+def balanced_layers(prices: Sequence[StagePrice], counts: Sequence[int]) -> tuple[int, ...]:
+    """Layers per stage that even out the stages' microbatch times, read from a split into
+    ``counts``: each stage's time is what it runs besides its layers (the embedding, the
+    head, its sends) plus its layers at one layer's time (the median of the stages' own);
+    the layers go one at a time to the stage that stays fastest with it, every stage
+    keeping one, which makes the slowest stage as fast as whole layers allow. ``counts``
+    itself where no stage knows its layer time."""
+    known = sorted(p.layer_us for p in prices if p.layer_us)
+    if not known:
+        return tuple(counts)
+    layer = known[(len(known) - 1) // 2]
+    base = [p.microbatch_us - n * layer for p, n in zip(prices, counts)]
+    split = [1] * len(counts)
+    for _ in range(sum(counts) - len(counts)):
+        lightest = min(range(len(split)), key=lambda i: base[i] + (split[i] + 1) * layer)
+        split[lightest] += 1
+    return tuple(split)
+
+
 def choose_option(options: Sequence[PipelineOption], budget_bytes: float | None) -> int:
-    """The index of the fastest option whose largest stage peak fits ``budget_bytes`` (the
-    fewer microbatches on a tie: they are listed in increasing order); where none fits, the
-    one with the smallest peak; -1 where no option has a plan."""
+    """The index of the fastest option whose largest stage peak fits ``budget_bytes`` (on a
+    tie the smaller peak, then the first listed: the fewer microbatches); where none fits,
+    the one with the smallest peak; -1 where no option has a plan."""
     planned = [i for i, o in enumerate(options) if o.step_us is not None]
     if not planned:
         return -1
@@ -159,5 +178,5 @@ def choose_option(options: Sequence[PipelineOption], budget_bytes: float | None)
         or options[i].peak_bytes <= budget_bytes
     ]
     if fitting:
-        return min(fitting, key=lambda i: options[i].step_us)
+        return min(fitting, key=lambda i: (options[i].step_us, options[i].peak_bytes or 0.0))
     return min(planned, key=lambda i: options[i].peak_bytes)

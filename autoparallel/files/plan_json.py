@@ -222,6 +222,7 @@ def _pipeline(plan: Plan) -> dict[str, Any] | None:
                 "microbatches": o.microbatches,
                 "step_us": None if o.step_us is None else json_float(o.step_us),
                 "peak": None if o.peak_bytes is None else json_float(o.peak_bytes),
+                "stage_layers": list(o.stage_layers),
             }
             for o in pipeline.options
         ],

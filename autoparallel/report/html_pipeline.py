@@ -99,10 +99,12 @@ def _options_table(options: Sequence[Mapping[str, Any]]) -> str:
         return ""
     rows = [
         f'<tr><td>{t.esc(o["schedule"])}</td><td class="num">{o["microbatches"]}</td>'
+        f"<td>{t.esc('/'.join(str(n) for n in o.get('stage_layers') or []))}</td>"
         f'<td class="num">{t.us(o["step_us"]) if o["step_us"] is not None else "no plan"}</td>'
         f'<td class="num">{t.format_bytes(o["peak"]) if o["peak"] is not None else "-"}</td></tr>'
         for o in options
     ]
     return "<p>The settings priced (the fastest within the memory budget is kept):</p>" + t.table(
-        ["schedule", "microbatches#", "predicted step#", "largest stage peak#"], rows
+        ["schedule", "microbatches#", "layers per stage", "predicted step#", "largest stage peak#"],
+        rows,
     )

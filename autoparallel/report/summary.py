@@ -130,6 +130,8 @@ def pipeline_lines(data: Mapping[str, Any]) -> list[str]:
 
 def _option(option: Mapping[str, Any]) -> str:
     head = f"{option['schedule']} x{option['microbatches']}"
+    if option.get("stage_layers"):
+        head += " layers " + "/".join(str(n) for n in option["stage_layers"])
     if option["step_us"] is None:
         return f"{head} no plan"
     peak = "" if option["peak"] is None else f" peak {format_bytes(option['peak'])}"

@@ -113,6 +113,8 @@ class StagePrice:
     optimizer_us: float
     peak_bytes: float | None = None
     activation_bytes: float | None = None
+    # one of its numbered layers' forward and backward (None: the stage has none)
+    layer_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -124,12 +126,16 @@ class PipelineOption:
     microbatches: int
     step_us: float | None
     peak_bytes: float | None = None
+    stage_layers: tuple[int, ...] = ()  # layers per stage
 
     def describe(self) -> str:
+        head = f"{self.schedule} x{self.microbatches}"
+        if self.stage_layers:
+            head += f" layers {'/'.join(str(n) for n in self.stage_layers)}"
         if self.step_us is None:
-            return f"{self.schedule} x{self.microbatches}: no plan within the constraints"
+            return f"{head}: no plan within the constraints"
         peak = "" if self.peak_bytes is None else f", peak {self.peak_bytes / 2**30:.2f} GiB"
-        return f"{self.schedule} x{self.microbatches}: step {self.step_us / 1e3:.2f} ms{peak}"
+        return f"{head}: step {self.step_us / 1e3:.2f} ms{peak}"
 
 
 @dataclass(frozen=True)
