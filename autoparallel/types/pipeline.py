@@ -36,8 +36,9 @@ class PipelineConfig:
         prices every count from the number of stages to four times it that divides the
         local batch, and keeps the fastest (stage_setup.py's ``pipeline_settings``).
     stage_layers: how many layers of the model's layer stack each stage runs, first stage
-        first (they sum to the stack's length); by default as even as possible, earlier
-        stages taking the remainder. The embedding goes with the first stage, everything
+        first (they sum to the stack's length); by default chosen: first as even as
+        possible (earlier stages taking the remainder), then evened out by the stages'
+        prices (pipeline_planning.py). The embedding goes with the first stage, everything
         after the stack with the last.
     """
 
