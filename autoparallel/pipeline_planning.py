@@ -13,8 +13,10 @@ With a "pp" mesh dim, ``AutoParallel`` (api.py) takes this class's methods:
             constraint calls replayed)
             -> every stage's price: exchanged over the pp group, or on a fake mesh (no peer
                plans the other stages) planned here, stages that plan alike once
-        -> the fastest setting within the memory budget (cost/pipeline.py's choose_option),
-           this object left holding its stage, problem and plan
+        -> the fastest setting within the memory budget (cost/pipeline.py's choose_option)
+        -> the cuts (_even_out): the layers moved to even out its stages' prices
+           (balanced_layers), that split planned and priced the same way, kept if faster
+        -> this object left holding the kept setting's stage, problem and plan
 
 Ordering contract: the stage's graph depends on the setting (its microbatch's shapes), so a
 setting other than the first is planned by entering again; the user's constraints were
