@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 CUT_ROUNDS = 3
 """New layer splits the planner prices after the even one (each one a cut and a plan)."""
+CUT_MIN_GAIN = 0.02
+"""A new split is planned only where it is predicted to make the slowest stage this much
+faster (a share of its time)."""
 
 
 @dataclass(frozen=True)
@@ -237,14 +240,16 @@ class PipelinePlanning:
     ) -> int:
         """The cuts: from the kept setting's stage prices, the layers per stage that even
         them out (cost/pipeline.py's ``balanced_layers``) are planned and priced, again from
-        the new kept one, until a split comes back (at most ``CUT_ROUNDS`` new splits);
+        the new kept one, until a split comes back or is predicted to gain less than
+        ``CUT_MIN_GAIN`` (at most ``CUT_ROUNDS`` new splits);
         appends to ``tried`` and ``options``, returns the index kept."""
         for _ in range(CUT_ROUNDS):
             state, _, prices = tried[best]
             if any(p is None for p in prices):
                 break
-            split = balanced_layers(prices, options[best].stage_layers)
-            if any(option.stage_layers == split for option in options):
+            split, slowest = balanced_layers(prices, options[best].stage_layers)
+            now = max(p.microbatch_us for p in prices)
+            if slowest > (1 - CUT_MIN_GAIN) * now or any(o.stage_layers == split for o in options):
                 break
             setting = dataclasses.replace(state["_setting"], stage_layers=split)
             state, plan, prices = self._priced(setting, calls, verbose, errors)

@@ -321,8 +321,8 @@ def test_the_layers_go_where_they_even_out_the_stages():
 
     # 2 layers each of 10 us; the first stage also runs 10 us of embedding, the last 50 of head
     prices = [StagePrice(base + 20.0, 0.0, 0.0, layer_us=10.0) for base in (10.0, 0, 0, 50.0)]
-    split = balanced_layers(prices, (2, 2, 2, 2))
-    assert split == (2, 3, 2, 1) and sum(split) == 8
+    split, slowest = balanced_layers(prices, (2, 2, 2, 2))
+    assert split == (2, 3, 2, 1) and slowest == 60.0  # the head's stage, from 70
 
     def slowest(counts):
         return max(b + 10.0 * n for b, n in zip((10.0, 0, 0, 50.0), counts))
@@ -330,7 +330,7 @@ def test_the_layers_go_where_they_even_out_the_stages():
     every = [c for c in itertools.product(range(1, 6), repeat=4) if sum(c) == 8]
     assert slowest(split) == min(slowest(c) for c in every)
     unknown = [StagePrice(30.0, 0.0, 0.0)] * 2
-    assert balanced_layers(unknown, (3, 1)) == (3, 1)
+    assert balanced_layers(unknown, (3, 1)) == ((3, 1), 30.0)
 
 
 def test_the_planner_moves_layers_off_a_stage_its_head_slows(fake_mesh):

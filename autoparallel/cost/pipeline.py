@@ -144,23 +144,27 @@ def price_stages(
     return cost, memory
 
 
-def balanced_layers(prices: Sequence[StagePrice], counts: Sequence[int]) -> tuple[int, ...]:
+def balanced_layers(
+    prices: Sequence[StagePrice], counts: Sequence[int]
+) -> tuple[tuple[int, ...], float]:
     """Layers per stage that even out the stages' microbatch times, read from a split into
-    ``counts``: each stage's time is what it runs besides its layers (the embedding, the
-    head, its sends) plus its layers at one layer's time (the median of the stages' own);
-    the layers go one at a time to the stage that stays fastest with it, every stage
-    keeping one, which makes the slowest stage as fast as whole layers allow. ``counts``
-    itself where no stage knows its layer time."""
+    ``counts``, and the slowest stage's time they predict: each stage's time is what it
+    runs besides its layers (the embedding, the head, its sends) plus its layers at one
+    layer's time (the lower median of the stages' own); the layers go one at a time to the
+    stage that stays fastest with it, every stage keeping one, which makes the slowest
+    stage as fast as whole layers allow. ``counts`` and their slowest time where no stage
+    knows its layer time."""
+    slowest = max(p.microbatch_us for p in prices)
     known = sorted(p.layer_us for p in prices if p.layer_us)
     if not known:
-        return tuple(counts)
+        return tuple(counts), slowest
     layer = known[(len(known) - 1) // 2]
     base = [p.microbatch_us - n * layer for p, n in zip(prices, counts)]
     split = [1] * len(counts)
     for _ in range(sum(counts) - len(counts)):
         lightest = min(range(len(split)), key=lambda i: base[i] + (split[i] + 1) * layer)
         split[lightest] += 1
-    return tuple(split)
+    return tuple(split), max(b + n * layer for b, n in zip(base, split))
 
 
 def choose_option(options: Sequence[PipelineOption], budget_bytes: float | None) -> int:
