@@ -6,15 +6,17 @@ and its losses against it.
 On 4 ranks, in one set of processes, timed round-robin (``workloads.round_robin``):
 
 * ``dp``: ours on a 1-D mesh of 4, free plan, the batch split by rows over all 4;
-* ``pp-<schedule>-m<M>``: ours on a (pp, dp) = (2, 2) mesh, the model cut into 2 stages at
-  its layer stack, each stage planned on dp, run by torch.distributed.pipelining's schedule
-  over M microbatches (``--variants``, default 1f1b with 2 and 4, gpipe with 4).
+* ``pp<S>-<schedule>-m<M>``: ours on a (pp, dp) = (S, 4 / S) mesh (pp alone for S = 4),
+  the model cut into S stages at its layer stack, each stage planned on dp, run by
+  torch.distributed.pipelining's schedule over M microbatches; ``pp<S>-auto``: the
+  schedule, microbatches and cuts the planner chooses (``--variants``: ``[Sx]schedule:M``
+  or ``[Sx]auto``; default 2 stages with 1f1b over 2 and 4, gpipe over 4, and auto).
 
 Every variant starts from the same init (seed 0, built on CPU: a stage cut from a meta
 model cannot run ``init_weights`` yet, see docs/architecture.md) and trains the same global
 batch with AdamW; their first steps' losses must agree (``--tolerance``), which the output
 says. One record per pipeline variant: its median step over dp's (below 1: faster), the
-question ``<model>-4r-pp2-<schedule>-m<M>``, with each variant's predicted step beside its
+question ``<model>-4r-<variant>``, with each variant's predicted step beside its
 measured one (``predicted_ms``: the pipeline's ``plan.pipeline.cost.step_us``, dp's
 ``plan.totals``; priced on ``--hardware``, a preset or a calibrated profile), and the bytes
 of activations held at once on the first stage's rank 0 and the last stage's last rank
@@ -31,7 +33,7 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -54,19 +56,44 @@ from benchmarks.workloads import (
 )
 
 NPROC = 4
-DEFAULT_VARIANTS = ("1f1b:2", "1f1b:4", "gpipe:4")
+DEFAULT_VARIANTS = ("1f1b:2", "1f1b:4", "gpipe:4", "auto")
 
 
-def _pipelined(workload: Any, schedule: str, microbatches: int, hardware: str) -> Any:
-    mesh = init_device_mesh("cpu", (2, NPROC // 2), mesh_dim_names=("pp", "dp"))
+@dataclass(frozen=True)
+class Variant:
+    """``[<stages>x]<schedule>:<microbatches>`` or ``[<stages>x]auto`` (the planner chooses
+    schedule, microbatches and cuts); 2 stages where not given."""
+
+    stages: int
+    schedule: str | None
+    microbatches: int | None
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        stages, _, rest = text.rpartition("x") if "x" in text else ("2", "", text)
+        if rest == "auto":
+            return cls(int(stages), None, None)
+        schedule, microbatches = rest.split(":")
+        return cls(int(stages), schedule, int(microbatches))
+
+    @property
+    def name(self) -> str:
+        setting = "auto" if self.schedule is None else f"{self.schedule}-m{self.microbatches}"
+        return f"pp{self.stages}-{setting}"
+
+
+def _pipelined(workload: Any, variant: Variant, hardware: str) -> Any:
+    dp = NPROC // variant.stages
+    shape, names = ((variant.stages, dp), ("pp", "dp")) if dp > 1 else ((NPROC,), ("pp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     torch.manual_seed(0)
     model = workload.build()
     model.init_weights(seed=0)
     inputs, _ = workload.global_batch()
-    rows = (Replicate(), Shard(0))
-    dp = NPROC // 2
+    rows = (Replicate(), Shard(0)) if dp > 1 else (Replicate(),)
     with AutoParallel(model, lambda: inputs, mesh, hardware=hardware) as autop:
-        autop.add_pipeline_constraint(schedule=schedule, microbatches=microbatches)
+        if variant.schedule is not None:
+            autop.add_pipeline_constraint(variant.schedule, variant.microbatches)
         autop.add_input_constraints([rows])
         autop.add_output_constraints([rows])
         plan = autop.optimize_placement()
@@ -114,13 +141,15 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
         ours.plan,
         {},
     )
-    for variant in args["variants"]:
-        schedule, microbatches = variant.split(":")
-        mesh, pipe, pipeline = _pipelined(workload, schedule, int(microbatches), args["hardware"])
-        dp_rank, dp = mesh.get_local_rank("dp"), mesh.shape[1]
+    chosen: dict[str, str] = {}
+    for text in args["variants"]:
+        variant = Variant.parse(text)
+        mesh, pipe, pipeline = _pipelined(workload, variant, args["hardware"])
+        dp_rank, dp = (mesh.get_local_rank("dp"), mesh.shape[1]) if mesh.ndim > 1 else (0, 1)
         share = batch // dp
         mine = slice(dp_rank * share, (dp_rank + 1) * share)
-        name = f"pp-{schedule}-m{microbatches}"
+        name = variant.name
+        chosen[name] = pipeline.describe().split(";")[0]
         predicted[name] = pipeline.cost.step_us / 1e3
         losses[name] = []
         runs[name] = TimedRun(
@@ -148,6 +177,7 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
         },
         "first_loss": dict(zip(losses, first.tolist())),
         "predicted_ms": predicted,
+        "chosen": chosen,
     }
 
 
@@ -186,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": round(step_ms / steps["dp"], 3),
             "predicted_ms": round(rank0["predicted_ms"][name], 2),
             "dp_predicted_ms": round(rank0["predicted_ms"]["dp"], 2),
-            # stage 0 (rank 0) and the last stage (the last rank): measured, predicted MiB
+            "pipeline": rank0["chosen"][name],
+            # the first stage (rank 0) and the last (the last rank): measured, predicted MiB
             "activations_mib": {
-                f"stage {stage}": [round(v / 2**20, 3) for v in results[r]["activations"][name]]
-                for stage, r in ((0, 0), (1, NPROC - 1))
+                where: [round(v / 2**20, 3) for v in results[r]["activations"][name]]
+                for where, r in (("first stage", 0), ("last stage", NPROC - 1))
             },
             "dp_activations_mib": [round(v / 2**20, 3) for v in rank0["activations"]["dp"]],
             "hardware": args.hardware,
@@ -200,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(line))
         records.append(
             {
-                "question": f"{args.model}-4r-pp2-{name.removeprefix('pp-')}",
+                "question": f"{args.model}-4r-{name}",
                 "what": (
-                    f"step time, ours as 2 pipeline stages x 2 dp ranks ({name}) / ours on "
+                    f"step time, ours as {line['pipeline']} on 4 ranks ({name}) / ours on "
                     f"4 dp ranks, {args.model}, batch {args.batch}, 4 gloo ranks on this "
                     "host, round-robin"
                 ),
