@@ -1,7 +1,7 @@
 """Soak test: how often a fresh multi-rank training launch aborts, hangs or trains wrongly.
 
     python -m benchmarks.soak [--launches 50] [--nproc 2 4] [--models llama-tiny ...]
-        [--mesh 1d|2d] [--steps 5] [--hardware cpu|profile.json] [--compile] [--eager]
+        [--mesh 1d|2d|pp] [--steps 5] [--hardware cpu|profile.json] [--compile] [--eager]
         [--timeout 300] [--logs DIR]
 
 Each launch is what a new user runs: ``--nproc`` fresh processes (a torchrun-like
@@ -13,7 +13,9 @@ global batch, eagerly or under ``torch.compile`` with ``autoparallel_backend()``
 ``--hardware`` (AutoParallel's default, the ``h100`` preset, unless given). The mesh is 1-D over all ranks (``dp``), or
 with ``--mesh 2d`` a (ranks / 2, 2) ``dp`` x ``tp`` mesh with the batch split over ``dp`` only
 and the parameter memory constraint, as ``autoparallel.search_mesh`` plans it: two process
-groups per rank with collectives of both in flight (the MoE always runs on ``dp`` x ``ep``).
+groups per rank with collectives of both in flight (the MoE always runs on ``dp`` x ``ep``);
+with ``--mesh pp`` a (2, ranks / 2) ``pp`` x ``dp`` pipeline (torch.distributed.pipelining's
+asynchronous point-to-point sends beside the stages' collectives).
 Every rank runs with glibc's heap checks (``MALLOC_CHECK_=3``, with ``libc_malloc_debug.so`` preloaded where
 glibc has it, as glibc >= 2.34 needs; ``MALLOC_PERTURB_`` random in 1..255 per launch) and
 ``PYTHONFAULTHANDLER=1``, so a use of freed memory tends to abort or crash, with the Python
@@ -128,6 +130,8 @@ def _train(
     from autoparallel import autoparallel_backend
     from benchmarks.workloads import local_rows, loss_of, make_optimizer, plan_ours
 
+    if mesh_kind == "pp":
+        return _train_pipelined(model, steps, rank, world_size, hardware)
     rows, row_rank, row_ranks = None, rank, world_size  # the batch split over every rank
     if model == "moe-tiny":  # experts over "ep", as benchmarks/moe_step_time.py plans it
         mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "ep"))
@@ -167,6 +171,59 @@ def _train(
         (loss / world_size).backward()  # ours: gradients of the sum of the ranks' losses
         optimizer.step()
         losses.append(loss.detach().double())
+        issued.append(sequence() - before)
+    return losses, issued
+
+
+def _train_pipelined(
+    model: str, steps: int, rank: int, world_size: int, hardware: str | None
+) -> tuple[list, list[int]]:
+    """As ``_train``, on a (2, ranks / 2) pp x dp mesh (pp alone on 2 ranks): the model cut
+    into 2 stages, each planned on dp, the schedule and microbatches the planner's, trained
+    with ``ParallelPipeline.step``. A stage is cut from a materialized model (a meta one
+    cannot be initialized per stage yet): built on CPU with the reference's init. Each
+    rank's losses are its share of the global loss times the ranks (the first stage's 0),
+    so that ``rank_main``'s mean over the ranks is the global loss."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autoparallel import AutoParallel
+    from benchmarks.workloads import local_rows, loss_of, make_optimizer
+
+    dp = world_size // 2
+    shape, names = ((2, dp), ("pp", "dp")) if dp > 1 else ((2,), ("pp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    rows = (Replicate(), Shard(0)) if dp > 1 else (Replicate(),)
+    workload = _workload(model)
+    torch.manual_seed(0)
+    module = workload.build()
+    module.init_weights(seed=0)
+    inputs, targets = workload.global_batch()
+    with AutoParallel(module, lambda: inputs, mesh, hardware=hardware) as autop:
+        autop.add_input_constraints([rows])
+        autop.add_output_constraints([rows])
+        plan = autop.optimize_placement()
+        pipe = autop.apply_placement(plan, loss_fn=lambda out, tgt: loss_of(out, tgt) / dp)
+    optimizer = make_optimizer(pipe)
+    row = mesh.get_local_rank("dp") if dp > 1 else 0
+    inputs, targets = local_rows(inputs, row, dp), local_rows(targets, row, dp)
+    groups = {dist.distributed_c10d._get_default_group(), *mesh.get_all_groups()}
+    backends = [group._get_backend(torch.device("cpu")) for group in groups]
+
+    def sequence() -> int:
+        return sum(backend._get_sequence_number_for_group() for backend in backends)
+
+    losses, issued = [], []
+    for _ in range(steps):
+        before = sequence()
+        optimizer.zero_grad(set_to_none=True)
+        microbatches: list = []
+        pipe.step(inputs, target=targets, losses=microbatches)
+        optimizer.step()
+        mine = torch.stack(microbatches).detach().double().mean() if microbatches else None
+        losses.append(torch.zeros((), dtype=torch.float64) if mine is None else mine * world_size)
         issued.append(sequence() - before)
     return losses, issued
 
@@ -286,7 +343,9 @@ def launch(
         for step, (a, b) in enumerate(zip(losses, reference))
     ):
         return Launch("wrong", seconds, perturb, f"{losses} vs {reference}: {work}", issued[0])
-    if any(counts != issued[0] for counts in issued):
+    # the ranks of one pipeline stage must agree (the stages run other collectives)
+    alike = nproc // 2 if mesh_kind == "pp" else nproc
+    if any(counts != issued[r - r % alike] for r, counts in enumerate(issued)):
         return Launch("wrong", seconds, perturb, f"ranks issued {issued}: {work}", issued[0])
     for path in work.iterdir():
         path.unlink()
@@ -310,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["llama-tiny"])
     parser.add_argument(
-        "--mesh", choices=("1d", "2d"), default="1d", help="2d: (ranks / 2, 2) dp x tp"
+        "--mesh",
+        choices=("1d", "2d", "pp"),
+        default="1d",
+        help="2d: (ranks / 2, 2) dp x tp; pp: (2, ranks / 2) pp x dp, eager, LLaMA models",
     )
     parser.add_argument(
         "--hardware", help="preset or profile.json to plan with (default: AutoParallel's, h100)"
@@ -328,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_of:
         rank_main(args.rank_of, args.mesh, args.steps, args.compile, args.out, args.hardware)
         return 0
+    if args.mesh == "pp" and (args.compile or not all(m.startswith("llama") for m in args.models)):
+        parser.error("--mesh pp runs the LLaMA models (a layer stack to cut), eagerly")
     modes = (["eager"] if args.eager or not args.compile else []) + (
         ["compile"] if args.compile else []
     )
@@ -384,7 +448,7 @@ def _mesh_label(model: str, mesh_kind: str) -> str:
     """The mesh a launch of ``model`` runs on, in words."""
     if model == "moe-tiny":
         return "dp x ep"
-    return "dp x tp" if mesh_kind == "2d" else "dp"
+    return {"2d": "dp x tp", "pp": "pp x dp"}.get(mesh_kind, "dp")
 
 
 def _priced_on(hardware: str) -> str:
@@ -411,7 +475,7 @@ def _soak_record(row: dict) -> dict:
     if bad:
         figure += " (" + ", ".join(f"{count} {outcome}" for outcome, count in bad.items()) + ")"
     raw = {key: value for key, value in row.items() if key not in ("model", "nproc", "mode")}
-    suffix = "-2d" if row["mesh"] == "dp x tp" else ""
+    suffix = {"dp x tp": "-2d", "pp x dp": "-pp"}.get(row["mesh"], "")
     suffix += f"-{row['steps']}steps" if row["steps"] != STEPS else ""
     suffix += _hardware_suffix(row["hardware"])
     return {
