@@ -105,8 +105,9 @@ def split_stages(
     microbatch gives the shapes the stages are traced with.
 
     ``compute_dtype`` (a mixed-precision policy's ``param_dtype``): the model is traced
-    computing in it, as it will run, and the stages then own the model's own parameters and
-    buffers. Traced in float32 instead, torch.export records the dtype each cast produced
+    computing in it, as it will run (its parameters' stand-ins in that dtype take, on a
+    materialized model, that much memory of its device while it is traced), and the stages
+    then own the model's own parameters. Traced in float32 instead, torch.export records the dtype each cast produced
     then: ``x.float()`` of a float32 ``x`` is ``x`` itself, so a norm's
     ``self._norm(x.float()).type_as(x)`` comes out keeping float32, and ``.to(x.dtype)`` is
     recorded as ``.to(float32)``; under the policy the stage would then compute its
