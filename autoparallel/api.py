@@ -44,9 +44,7 @@ from autoparallel.trace.export import trace_device, trace_joint
 from autoparallel.trace.mixed_precision import check_policy
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.kinds import ActivationCheckpointing
-from autoparallel.types.pipeline import (
-    PipelineConfig,
-)
+from autoparallel.types.pipeline import PipelineConfig
 from autoparallel.types.placements import check_shard_dims, validate_placements
 from autoparallel.types.plan import Plan
 
@@ -83,9 +81,10 @@ class AutoParallel(PipelinePlanning):
             without planning again, when the plan divides them (see runtime/dynamic.py).
 
     A mesh whose first dim is named ``pp`` runs the model as pipeline stages cut at its
-    layer stack: each rank plans its own stage on the other dims, and
-    :meth:`apply_placement` returns a :class:`ParallelPipeline` (see stage_setup.py and
-    :meth:`add_pipeline_constraint`).
+    layer stack: each rank plans its own stage on the other dims, the microbatches, schedule
+    and cuts are chosen in :meth:`optimize_placement` unless :meth:`add_pipeline_constraint`
+    fixes them, and :meth:`apply_placement` returns a :class:`ParallelPipeline` (see
+    pipeline_planning.py and stage_setup.py).
 
     An argument of the wrong type or out of range (a model that is not a module, a mesh that
     is not a DeviceMesh, a flag that is not a bool, a time limit that is not positive, an
