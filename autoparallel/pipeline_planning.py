@@ -301,9 +301,9 @@ class PipelinePlanning:
         self, mine: StagePrice | None, calls: list[_ConstraintCall]
     ) -> list[StagePrice | None]:
         """Every stage's price where no peer plans the others (a fake mesh). Stages that plan
-        alike (stage_setup.py's ``same_stage_graph``) are planned once, by the first of
-        them: the one with the most microbatches in flight, so its plan fits the others'
-        memory too (where a budget would let them choose faster plans, theirs is priced as
+        alike (stage_setup.py's ``same_stage_graph``) are planned once, by this process's
+        own stage where it is one of them, else by the first: the one with the most
+        microbatches in flight, so its plan fits the others' memory too (where a budget would let them choose faster plans, theirs is priced as
         its: an overestimate); each one's memory is its plan's with its own in flight."""
         if mine is None:
             return [None] * len(self._cut.stages)
