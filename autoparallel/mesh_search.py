@@ -8,8 +8,12 @@ time; the best plan is the one to apply.
 
 Candidates (``candidate_shapes``): ``(devices,)`` named ``("dp",)``, and ``(dp, tp)`` named
 ``("dp", "tp")`` for every ``tp > 1`` dividing ``devices`` (``(devices,)`` named ``("tp",)``
-where ``tp`` is all of them). Tensor parallelism stays within a node (``tp`` divides
-``gpus_per_node``) unless ``tp_across_nodes``. The global batch (the first dim of the first
+where ``tp`` is all of them); with ``pipeline``, also ``(pp, ...)`` for every ``pp > 1``
+dividing ``devices`` before each of those shapes of ``devices / pp`` (``(devices,)`` named
+``("pp",)`` where ``pp`` is all of them), each planned as AutoParallel plans a pipeline (its
+microbatches, schedule and cuts chosen) and ranked by its pipeline's step and largest stage
+peak. Tensor parallelism stays within a node (``tp`` divides ``gpus_per_node``) unless
+``tp_across_nodes``. The global batch (the first dim of the first
 input) is sharded over ``dp``: a ``dp`` that does not divide it is skipped, with the reason.
 Each candidate is planned with the batch sharded over ``dp`` and replicated over ``tp`` on
 every input and output whose first dim is the batch, and, unless
@@ -22,8 +26,8 @@ planned ones that do not fit (a budget with recomputation is not searched yet: g
 mesh and ``add_memory_constraint``), then the skipped ones; ``best`` is the first.
 ``search_mesh`` leaves no process group behind. It raises ValueError for a device count or
 node size below 1, and :class:`MeshSearchError` naming every candidate's reason
-when none could be planned. Not yet here (issue 46): pipeline and expert dims, and tracing
-the model once for all candidates (each is traced on its own mesh).
+when none could be planned. Not yet here (issue 46): expert dims, and tracing the model once
+for all candidates (each is traced on its own mesh).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoparallel.api import AutoParallel
 from autoparallel.runtime.launch import fake_mesh
 from autoparallel.solver.highs import InfeasibleConstraintsError
+from autoparallel.types.pipeline import PipelineError
 from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -125,17 +130,20 @@ class MeshSearch:
                 continue
             peak = "-" if c.peak_memory_gib is None else f"{c.peak_memory_gib:.3g}"
             peak += "*" if c.fits is False else ""
+            exposed = "-" if c.exposed_comm_ms is None else f"{c.exposed_comm_ms:.3f}"
             lines.append(
                 f"{index:>4}  {c.mesh_text:<16} {c.predicted_ms:>10.3f} "
-                f"{c.exposed_comm_ms:>16.3f} {peak:>9} {c.planning_s:>10.1f}"
+                f"{exposed:>16} {peak:>9} {c.planning_s:>10.1f}"
             )
         return lines
 
 
 def candidate_shapes(
-    devices: int, gpus_per_node: int, tp_across_nodes: bool = False
+    devices: int, gpus_per_node: int, tp_across_nodes: bool = False, pipeline: bool = False
 ) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
-    """The mesh shapes :func:`search_mesh` tries (see the module doc), with their names."""
+    """The mesh shapes :func:`search_mesh` tries (see the module doc), with their names;
+    with ``pipeline``, also every ``(pp, ...)`` with ``pp > 1`` dividing ``devices`` before
+    the shapes of ``devices / pp`` (``pp`` alone where it is all of them)."""
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -146,6 +154,16 @@ def candidate_shapes(
             continue
         dp = devices // tp
         shapes.append(((dp, tp), ("dp", "tp")) if dp > 1 else ((tp,), ("tp",)))
+    if not pipeline:
+        return shapes
+    for pp in range(2, devices + 1):
+        if devices % pp:
+            continue
+        if pp == devices:
+            shapes.append(((pp,), ("pp",)))
+            continue
+        for shape, names in candidate_shapes(devices // pp, gpus_per_node, tp_across_nodes):
+            shapes.append(((pp, *shape), ("pp", *names)))
     return shapes
 
 
@@ -160,11 +178,13 @@ def search_mesh(
     parameter_memory: bool = True,
     tp_across_nodes: bool = False,
     time_limit_s: float = 300.0,
+    pipeline: bool = False,
 ) -> MeshSearch:
     """Plan ``model`` (best on the meta device) on every candidate mesh of ``devices``
     devices, ``gpus_per_node`` to a node, priced on ``hardware`` (a preset name, a profile
-    path or a Hardware; see AutoParallel); the candidates ranked (see the module doc)."""
-    shapes = candidate_shapes(devices, gpus_per_node, tp_across_nodes)
+    path or a Hardware; see AutoParallel); the candidates ranked (see the module doc).
+    ``pipeline``: pipeline meshes too (each plans its stages, microbatches and cuts)."""
+    shapes = candidate_shapes(devices, gpus_per_node, tp_across_nodes, pipeline)
     batch = _global_batch(input_fn)
     settings = _PlanSettings(gpus_per_node, hardware, mp_policy, parameter_memory, time_limit_s)
     tried = []
@@ -196,7 +216,7 @@ def _plan_on(
     settings: _PlanSettings,
 ) -> MeshCandidate:
     """One candidate planned on a fake mesh (left destroyed), or skipped with the reason."""
-    dp = shape[0] if names[0] == "dp" else 1
+    dp = shape[names.index("dp")] if "dp" in names else 1
     if batch is not None and batch % dp:
         return MeshCandidate(shape, names, skipped=f"dp {dp} does not divide the batch {batch}")
     start = time.perf_counter()
@@ -214,22 +234,32 @@ def _plan_on(
             constrain_candidate(autop, batch, names, settings.parameter_memory)
             plan = autop.optimize_placement()
             memory_bytes = autop.topology.hardware.memory_bytes
-    except InfeasibleConstraintsError as error:
+    except (InfeasibleConstraintsError, PipelineError) as error:
         return MeshCandidate(shape, names, skipped=" ".join(str(error).split()))
     finally:
         dist.destroy_process_group()
-    totals = plan.totals
-    peak = plan.memory.peak if plan.memory is not None else None
+    step_us, exposed_us, peak = _figures(plan)
     return MeshCandidate(
         shape,
         names,
         plan,
-        predicted_ms=totals.total_us / 1e3,
-        exposed_comm_ms=totals.exposed_comm_us / 1e3,
+        predicted_ms=step_us / 1e3,
+        exposed_comm_ms=None if exposed_us is None else exposed_us / 1e3,
         peak_memory_gib=None if peak is None else peak / 2**30,
         fits=None if peak is None or not memory_bytes else peak <= memory_bytes,
         planning_s=time.perf_counter() - start,
     )
+
+
+def _figures(plan: Plan) -> tuple[float, float | None, float | None]:
+    """(step us, exposed comm us, peak bytes) of a plan; of a pipeline's: its step, no
+    exposed comm (the stage plan's is one microbatch's), its largest stage peak."""
+    peak = plan.memory.peak if plan.memory is not None else None
+    pipeline = plan.pipeline
+    if pipeline is None or pipeline.cost is None:
+        return plan.totals.total_us, plan.totals.exposed_comm_us, peak
+    peaks = [m.peak for m in pipeline.stage_memory if m is not None]
+    return pipeline.cost.step_us, None, max(peaks) if peaks else peak
 
 
 def constrain_candidate(
@@ -237,12 +267,22 @@ def constrain_candidate(
 ) -> None:
     """The constraints a candidate mesh is planned under (see the module doc): the batch
     sharded over the first dim where it is ``dp`` (replicated otherwise) on every input and
-    output whose first dim is ``batch``; the parameter memory constraint if asked."""
+    output whose first dim is ``batch``; the parameter memory constraint if asked. On a
+    pipeline mesh the same on the dims after ``pp`` (Replicate on pp), the batch being a
+    microbatch's rows, on the inputs only (the cut pins what the first stage sends on)."""
     joint = autop.sharding_optimizer.problem.joint
-    outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
-    sharded = names[0] == "dp"
-    autop.add_input_constraints(batch_placements(joint.user_inputs, batch, len(names), sharded))
-    autop.add_output_constraints(batch_placements(outputs, batch, len(names), sharded))
+    if autop.stage_setup is not None:
+        rows = None if batch is None else autop.stage_setup.microbatch_rows
+        rest = names[1:]  # none for pp alone (planned on a size-1 dim, replicated)
+        inner = batch_placements(joint.user_inputs, rows, max(len(rest), 1), rest[:1] == ("dp",))
+        autop.add_input_constraints(
+            [None if p is None else (Replicate(), *p)[: len(names)] for p in inner]
+        )
+    else:
+        outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
+        sharded = names[0] == "dp"
+        autop.add_input_constraints(batch_placements(joint.user_inputs, batch, len(names), sharded))
+        autop.add_output_constraints(batch_placements(outputs, batch, len(names), sharded))
     if parameter_memory:
         autop.add_parameter_memory_constraint()
 

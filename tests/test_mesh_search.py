@@ -71,6 +71,24 @@ def test_a_mesh_whose_peak_does_not_fit_ranks_after_those_that_do():
     assert found.best.fits and any("does not fit" in line for line in found.table())
 
 
+def test_pipeline_meshes_are_candidates_when_asked_and_ranked_by_their_pipeline_step():
+    assert candidate_shapes(4, 4, pipeline=True)[3:] == [
+        ((2, 2), ("pp", "dp")),
+        ((2, 2), ("pp", "tp")),
+        ((4,), ("pp",)),
+    ]
+    model = meta(lambda: Llama(CONFIG))
+    found = search_mesh(model, tokens(8), 2, gpus_per_node=2, hardware="cpu", pipeline=True)
+    (pipelined,) = [c for c in found.candidates if c.names == ("pp",)]
+    pipeline = pipelined.plan.pipeline
+    assert pipeline.num_stages == 2 and pipelined.exposed_comm_ms is None
+    assert pipelined.predicted_ms == pytest.approx(pipeline.cost.step_us / 1e3)
+    assert pipelined.peak_memory_gib == pytest.approx(
+        max(m.peak for m in pipeline.stage_memory) / 2**30
+    )
+    assert any(line.split()[1:3] == ["2", "(pp)"] for line in found.table())
+
+
 def test_a_search_where_nothing_plans_names_every_reason():
     model = meta(lambda: Llama(CONFIG))
     with pytest.raises(MeshSearchError, match=r"2 \(dp\): dp 2 does not divide the batch 3"):

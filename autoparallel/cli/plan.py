@@ -314,6 +314,7 @@ def _searched(request: PlanRequest) -> PlanRequest:
             hardware=request.hardware,
             mp_policy=request.mp_policy(),
             parameter_memory=request.parameter_memory is not None,
+            pipeline=request.pipeline,
         )
     except MeshSearchError as error:
         raise UsageError(str(error)) from error

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         type=int,
         default=None,
-        help="instead of --mesh: try every (dp,) and (dp, tp) mesh of this many devices "
+        help="instead of --mesh: try every (dp,) and (dp, tp) mesh of this many devices (and "
+        "(pp, ...) ones with --pipeline) "
         "(tp within a node of --gpus-per-node, default 8), print them ranked by predicted "
         "step time, and plan on the fastest",
     )
@@ -156,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --memory-budget: auto lets the solver recompute layers in the backward "
         "where that is the cheapest way to fit, all recomputes every layer (default off: "
         "every activation saved)",
+    )
+    plan.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="with --devices: also try meshes whose first dim is pp (each plans its stages, "
+        "microbatches and cuts: slower)",
     )
     plan.add_argument(
         "--schedule",
@@ -237,6 +244,7 @@ class PlanRequest:
     devices: int | None = None  # search the mesh of this many devices (mesh_shape: its 1-D)
     schedule: str | None = None  # with a "pp" mesh dim: add_pipeline_constraint's
     microbatches: int | None = None
+    pipeline: bool = False  # with devices: pp meshes among the candidates
 
     def mp_policy(self) -> Any:
         """torch's MixedPrecisionPolicy for the dtype flags, or None without them."""
@@ -350,6 +358,8 @@ def validate(args: argparse.Namespace) -> PlanRequest:
     if args.layers is not None and args.layers < 1:
         raise UsageError(f"--layers must be a positive integer, got {args.layers}")
     hardware = _hardware(args.hardware)
+    if args.pipeline and args.devices is None:
+        raise UsageError("--pipeline goes with --devices (with --mesh, name a pp dim)")
     pipelined = names is not None and names[0] == "pp"
     if (args.schedule or args.microbatches) and not pipelined:
         raise UsageError("--schedule and --microbatches need a mesh whose first dim is named pp")
@@ -413,6 +423,7 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         args.devices,
         args.schedule,
         args.microbatches,
+        args.pipeline,
     )
 
 
