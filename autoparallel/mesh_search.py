@@ -9,7 +9,8 @@ time; the best plan is the one to apply.
 Candidates (``candidate_shapes``): ``(devices,)`` named ``("dp",)``, and ``(dp, tp)`` named
 ``("dp", "tp")`` for every ``tp > 1`` dividing ``devices`` (``(devices,)`` named ``("tp",)``
 where ``tp`` is all of them); with ``pipeline``, also ``(pp, ...)`` for every ``pp > 1``
-dividing ``devices`` before each of those shapes of ``devices / pp`` (``(devices,)`` named
+dividing ``devices`` (on several nodes, the node count: a stage spans whole nodes) before
+each of those shapes of ``devices / pp`` (``(devices,)`` named
 ``("pp",)`` where ``pp`` is all of them), each planned as AutoParallel plans a pipeline (its
 microbatches, schedule and cuts chosen) and ranked by its pipeline's step and largest stage
 peak. Tensor parallelism stays within a node (``tp`` divides ``gpus_per_node``) unless
@@ -143,7 +144,9 @@ def candidate_shapes(
 ) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     """The mesh shapes :func:`search_mesh` tries (see the module doc), with their names;
     with ``pipeline``, also every ``(pp, ...)`` with ``pp > 1`` dividing ``devices`` before
-    the shapes of ``devices / pp`` (``pp`` alone where it is all of them)."""
+    the shapes of ``devices / pp`` (``pp`` alone where it is all of them); on several nodes
+    each stage spans whole nodes (``pp`` divides the node count), as pipeline recipes cut
+    across the slow inter-node links."""
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -156,8 +159,9 @@ def candidate_shapes(
         shapes.append(((dp, tp), ("dp", "tp")) if dp > 1 else ((tp,), ("tp",)))
     if not pipeline:
         return shapes
+    nodes = devices // gpus_per_node if devices % gpus_per_node == 0 else 1
     for pp in range(2, devices + 1):
-        if devices % pp:
+        if devices % pp or (nodes > 1 and nodes % pp):  # a stage spans whole nodes
             continue
         if pp == devices:
             shapes.append(((pp,), ("pp",)))

@@ -2,12 +2,13 @@
 devices for a LLaMA, and the ranking it gives.
 
     python -m benchmarks.mesh_search [--model llama3-8b] [--devices 64] [--gpus-per-node 8]
-        [--batch 64] [--seq 2048] [--hardware h100] [--layers N]
+        [--batch 64] [--seq 2048] [--hardware h100] [--layers N] [--pipeline]
 
 Plans on fake meshes (nothing allocated); prints the ranked table and appends one record to
 ``benchmarks/results/mesh_search.jsonl``: the search's wall time (the issue's goal for the
 8B over 64 devices: under 60 s), with every candidate's predicted step, exposed
-communication, peak memory and planning time.
+communication, peak memory and planning time. ``--pipeline`` adds the ``(pp, ...)`` meshes
+(``search_mesh(pipeline=True)``): the question then ends in ``-pp``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--layers", type=int, default=None, help="override the depth")
+    parser.add_argument("--pipeline", action="store_true", help="pipeline meshes too")
     args = parser.parse_args(argv)
     config = llama_config(args.model, **({} if args.layers is None else {"n_layers": args.layers}))
     with torch.device("meta"):
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         args.devices,
         args.gpus_per_node,
         hardware=args.hardware,
+        pipeline=args.pipeline,
     )
     elapsed = time.perf_counter() - start
     print("\n".join(found.table()))
@@ -53,10 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     record(
         "mesh_search",
         {
-            "question": f"{args.model}-{args.devices}dev",
+            "question": f"{args.model}-{args.devices}dev" + ("-pp" if args.pipeline else ""),
             "what": f"wall time of search_mesh, {args.model} ({depth}), {args.devices} devices "
             f"of {args.gpus_per_node} per node, batch {args.batch} x seq {args.seq}, "
-            f"{args.hardware}: {len(found.candidates)} meshes, best {found.best.mesh_text}",
+            f"{args.hardware}: {len(found.candidates)} meshes"
+            + (" with pipeline ones" if args.pipeline else "")
+            + f", best {found.best.mesh_text}",
             "figure": round(elapsed, 1),
             "unit": "s",
             "candidates": [

@@ -77,6 +77,9 @@ def test_pipeline_meshes_are_candidates_when_asked_and_ranked_by_their_pipeline_
         ((2, 2), ("pp", "tp")),
         ((4,), ("pp",)),
     ]
+    # 4 nodes of 4: a stage spans whole nodes, so pp divides 4
+    shapes = candidate_shapes(16, 4, pipeline=True)
+    assert {shape[0] for shape, names in shapes if names[0] == "pp"} == {2, 4}
     model = meta(lambda: Llama(CONFIG))
     found = search_mesh(model, tokens(8), 2, gpus_per_node=2, hardware="cpu", pipeline=True)
     (pipelined,) = [c for c in found.candidates if c.names == ("pp",)]
