@@ -120,20 +120,20 @@ class MeshSearch:
     def table(self) -> list[str]:
         """The ranked table as text lines, for a log or a terminal."""
         lines = [
-            f"{'rank':>4}  {'mesh':<16} {'step ms':>10} {'exposed comm ms':>16} "
+            f"{'rank':>4}  {'mesh':<20} {'step ms':>10} {'exposed comm ms':>16} "
             f"{'peak GiB':>9} {'planning s':>10}"
         ]
         if any(c.fits is False for c in self.candidates):
             lines.append("      (* the predicted peak does not fit the device's memory)")
         for index, c in enumerate(self.candidates, start=1):
             if c.plan is None:
-                lines.append(f"{'-':>4}  {c.mesh_text:<16} skipped: {c.skipped}")
+                lines.append(f"{'-':>4}  {c.mesh_text:<20} skipped: {c.skipped}")
                 continue
             peak = "-" if c.peak_memory_gib is None else f"{c.peak_memory_gib:.3g}"
             peak += "*" if c.fits is False else ""
             exposed = "-" if c.exposed_comm_ms is None else f"{c.exposed_comm_ms:.3f}"
             lines.append(
-                f"{index:>4}  {c.mesh_text:<16} {c.predicted_ms:>10.3f} "
+                f"{index:>4}  {c.mesh_text:<20} {c.predicted_ms:>10.3f} "
                 f"{exposed:>16} {peak:>9} {c.planning_s:>10.1f}"
             )
         return lines
