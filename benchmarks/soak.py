@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,6 @@ def _train(
     """Plan ``model`` on a fresh mesh and train it ``steps`` steps; the losses (this rank's) and
     the collectives issued in each step. The mesh and the module die when this returns."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
@@ -155,14 +155,7 @@ def _train(
     inputs, targets = workload.global_batch()
     inputs = local_rows(inputs, row_rank, row_ranks)
     targets = local_rows(targets, row_rank, row_ranks)
-    # collectives this rank issued in each step: a gloo backend's sequence number (private,
-    # no public counter) goes up by one per collective; every rank must issue the same ones
-    groups = {dist.distributed_c10d._get_default_group(), *mesh.get_all_groups()}
-    backends = [group._get_backend(torch.device("cpu")) for group in groups]
-
-    def sequence() -> int:
-        return sum(backend._get_sequence_number_for_group() for backend in backends)
-
+    sequence = _collectives_issued(mesh)
     losses, issued = [], []
     for _ in range(steps):
         before = sequence()
@@ -175,6 +168,18 @@ def _train(
     return losses, issued
 
 
+def _collectives_issued(mesh: Any) -> Callable[[], int]:
+    """A counter of the collectives this rank issued on ``mesh``'s groups and the default
+    one: a gloo backend's sequence number (private, no public counter) goes up by one per
+    collective; every rank must issue the same ones."""
+    import torch
+    import torch.distributed as dist
+
+    groups = {dist.distributed_c10d._get_default_group(), *mesh.get_all_groups()}
+    backends = [group._get_backend(torch.device("cpu")) for group in groups]
+    return lambda: sum(backend._get_sequence_number_for_group() for backend in backends)
+
+
 def _train_pipelined(
     model: str, steps: int, rank: int, world_size: int, hardware: str | None
 ) -> tuple[list, list[int]]:
@@ -185,7 +190,6 @@ def _train_pipelined(
     rank's losses are its share of the global loss times the ranks (the first stage's 0),
     so that ``rank_main``'s mean over the ranks is the global loss."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
@@ -209,12 +213,7 @@ def _train_pipelined(
     optimizer = make_optimizer(pipe)
     row = mesh.get_local_rank("dp") if dp > 1 else 0
     inputs, targets = local_rows(inputs, row, dp), local_rows(targets, row, dp)
-    groups = {dist.distributed_c10d._get_default_group(), *mesh.get_all_groups()}
-    backends = [group._get_backend(torch.device("cpu")) for group in groups]
-
-    def sequence() -> int:
-        return sum(backend._get_sequence_number_for_group() for backend in backends)
-
+    sequence = _collectives_issued(mesh)
     losses, issued = [], []
     for _ in range(steps):
         before = sequence()
