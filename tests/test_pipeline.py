@@ -154,6 +154,7 @@ def test_a_pipelined_plan_says_its_stages(fake_mesh):
     assert cost.step_us >= max(b.end_us for b in cost.timeline)
     page = render_html(plan_json(plan))
     assert '<section id="pipeline">' in page and page.count("<rect ") == 8
+    assert "(pp=2, dp=2), 4 devices" in page
     # GPipe: both microbatches' activations held at once, on every stage (the plan counts both)
     assert [m["in_flight"] for m in pipeline["stage_memory"]] == [2, 2]
     assert pipeline["memory"]["activations"] == pytest.approx(plan.memory.activations)
@@ -214,6 +215,7 @@ def test_the_command_plans_a_pipeline_stage_and_says_so(tmp_path):
         result.stdout,
     )
     assert re.search(r"pipeline settings priced: 1f1b x2 .*; 1f1b x4 ", result.stdout)
+    assert "mesh (pp=2, dp=2)" in result.stdout  # the whole mesh, though the plan is a stage's
     data = json.loads(out.read_text())
     assert data["pipeline"]["stage_index"] == 0 and data["mesh"]["dim_names"] == ["dp"]
     refused = run_cli(*args[:4], "2x2", "--batch", "8", "--seq", "32", "--schedule", "gpipe")

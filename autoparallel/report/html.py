@@ -97,9 +97,13 @@ def _header(data: Mapping[str, Any]) -> str:
     dims = t.dim_names(data)
     devices = math.prod(int(s) for s in shape) if shape else 0
     mesh_text = ", ".join(f"{n}={s}" for n, s in zip(dims, shape)) or "-"
+    stages = len((data.get("pipeline") or {}).get("stages") or [])
+    mesh_fact = f"({mesh_text}), {devices} devices"
+    if stages:  # a stage's plan: its mesh is the mesh without pp
+        mesh_fact = f"(pp={stages}, {mesh_text}), {stages * devices} devices; this plan: a stage's"
     hardware = data.get("hardware") or {}
     facts = [
-        ("mesh", f"({mesh_text}), {devices} devices"),
+        ("mesh", mesh_fact),
         (
             "hardware",
             f"{hardware.get('name', '-')}, {hardware.get('gpus_per_node', '-')} devices per node",

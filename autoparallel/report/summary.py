@@ -151,6 +151,9 @@ def _header_lines(data: Mapping[str, Any]) -> list[str]:
     )
     inputs = f", batch {run['batch']} x seq {run['seq']}" if "batch" in run else ""
     mesh_text = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
+    stages = len((data.get("pipeline") or {}).get("stages") or [])
+    if stages:  # a stage's plan: its mesh is the mesh without pp
+        mesh_text = f"pp={stages}, {mesh_text}"
     lines = [
         f"{what}{inputs}, mesh ({mesh_text}), {hardware.get('name', '-')} with {hardware.get('gpus_per_node', '-')} devices per node"
     ]
