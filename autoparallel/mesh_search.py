@@ -276,11 +276,9 @@ def constrain_candidate(
     microbatch's rows, on the inputs only (the cut pins what the first stage sends on)."""
     joint = autop.sharding_optimizer.problem.joint
     if autop.stage_setup is not None:
-        rows = None if batch is None else autop.stage_setup.microbatch_rows
-        rest = names[1:]  # none for pp alone (planned on a size-1 dim, replicated)
-        inner = batch_placements(joint.user_inputs, rows, max(len(rest), 1), rest[:1] == ("dp",))
+        sharded = names[1:2] == ("dp",)
         autop.add_input_constraints(
-            [None if p is None else (Replicate(), *p)[: len(names)] for p in inner]
+            stage_batch_placements(autop, joint.user_inputs, batch, sharded)
         )
     else:
         outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
@@ -289,6 +287,17 @@ def constrain_candidate(
         autop.add_output_constraints(batch_placements(outputs, batch, len(names), sharded))
     if parameter_memory:
         autop.add_parameter_memory_constraint()
+
+
+def stage_batch_placements(
+    autop: AutoParallel, nodes: Sequence[Any], batch: int | None, sharded: bool = True
+) -> list[Any]:
+    """On a pipeline mesh: :func:`batch_placements` of the stage's ``nodes`` over the dims
+    after ``pp`` (the batch being a microbatch's rows), written on the whole mesh (Replicate
+    on pp), as the user's constraints are; ``batch`` None: no batch."""
+    rows = None if batch is None else autop.stage_setup.microbatch_rows
+    inner = batch_placements(nodes, rows, autop.mesh.ndim, sharded)
+    return [None if p is None else (Replicate(), *p) for p in inner]
 
 
 def batch_placements(

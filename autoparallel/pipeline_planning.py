@@ -34,7 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autoparallel.cost.pipeline import balanced_layers, choose_option, price_stages
+from autoparallel.cost.pipeline import (
+    balanced_layers,
+    choose_option,
+    microbatches_in_flight,
+    price_stages,
+)
 from autoparallel.cost.topology import Topology
 from autoparallel.optimizer import ShardingOptimizer
 from autoparallel.solver.highs import InfeasibleConstraintsError
@@ -108,11 +113,12 @@ class PipelinePlanning:
 
     def _take_stage(self) -> None:
         model, input_fn, mesh, hardware, gpus_per_node = self._whole
-        if self._setting is None:
-            self._setting = pipeline_settings(input_fn(), mesh, self.pipeline_config)[0]
-        if self._cut is None or self._cut.config != self._setting:
+        if self._setting is None or self._cut is None or self._cut.config != self._setting:
+            inputs = input_fn()
+            if self._setting is None:
+                self._setting = pipeline_settings(inputs, mesh, self.pipeline_config)[0]
             self._cut = self._timed(
-                "cut", lambda: cut_model(model, input_fn(), mesh, self._setting, self._dtype())
+                "cut", lambda: cut_model(model, inputs, mesh, self._setting, self._dtype())
             )
         self.stage_setup = self._cut.take(mesh, self._stage_index)
         self.model = self.stage_setup.stage.module
@@ -178,12 +184,13 @@ class PipelinePlanning:
             tuple(stage_layers) if stage_layers is not None else current.stage_layers,
         )
         _, input_fn, mesh, *_ = self._whole
-        self._setting = pipeline_settings(input_fn(), mesh, self.pipeline_config)[0]
+        inputs = input_fn()
+        self._setting = pipeline_settings(inputs, mesh, self.pipeline_config)[0]
         if self._cut.config == dataclasses.replace(
             self._setting, schedule=self._cut.config.schedule
         ):
             # the schedule alone: the stage and its problem stay as they are
-            check_setting(self._setting, input_fn(), mesh)
+            check_setting(self._setting, inputs, mesh)
             self._cut = dataclasses.replace(self._cut, config=self._setting)
             self.stage_setup = dataclasses.replace(self.stage_setup, config=self._setting)
             self._hold_in_flight()
@@ -321,7 +328,8 @@ class PipelinePlanning:
                 planned[twin] = self._stage_planned_here(twin, calls)
             price, optimizer = planned[twin]
             if twin != index and price is not None:
-                held = self._cut.take(self._whole[2], index).in_flight
+                setting, stages = self._setting, len(self._cut.stages)
+                held = microbatches_in_flight(setting.schedule, index, stages, setting.microbatches)
                 memory = optimizer.memory_in_flight(held)
                 if memory is not None:
                     price = dataclasses.replace(

@@ -134,7 +134,7 @@ def pipeline_fields(plan, stages: dict) -> dict:
         return {}
     peaks = [m.peak for m in pipeline.stage_memory if m is not None]
     return {
-        "pipeline": pipeline.describe().split(";")[0].split(", stage 0")[0],
+        "pipeline": f"{pipeline.schedule}, {pipeline.microbatches} microbatches",
         "stages": pipeline.num_stages,
         "pipeline_step_ms": round(pipeline.cost.step_us / 1e3, 2) if pipeline.cost else None,
         "pipeline_bubble_ms": round(pipeline.cost.bubble_us / 1e3, 2) if pipeline.cost else None,

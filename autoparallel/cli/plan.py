@@ -250,16 +250,11 @@ def _run_info(
 def _batch_split(autop: Any, nodes: list[Any], batch: int | None) -> list[Any]:
     """The batch split over the first mesh dim; with a "pp" dim, over the first after it
     (Replicate on pp), the rows being a microbatch's."""
-    from torch.distributed.tensor import Replicate
+    from autoparallel.mesh_search import batch_placements, stage_batch_placements
 
-    from autoparallel.mesh_search import batch_placements
-
-    stage = autop.stage_setup
-    if stage is None:
+    if autop.stage_setup is None:
         return batch_placements(nodes, batch, autop.mesh.ndim)
-    rows = stage.microbatch_rows if batch is not None else None
-    inner = batch_placements(nodes, rows, autop.mesh.ndim)
-    return [None if p is None else (Replicate(), *p) for p in inner]
+    return stage_batch_placements(autop, nodes, batch)
 
 
 def plan_data(autop: Any) -> dict[str, Any]:
