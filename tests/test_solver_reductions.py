@@ -58,9 +58,14 @@ def _without_buckets(problem, use_routes: bool = True):
     return rebuilt
 
 
-def _autop(mesh, hardware: str | None = None) -> AutoParallel:
-    model = meta(lambda: Llama(CONFIG))
-    inputs = lambda: torch.randint(0, CONFIG.vocab_size, (8, 32))  # noqa: E731
+NARROW = llama_config("tiny", dim=48, n_heads=3, n_kv_heads=3, ffn_hidden=64)
+"""The tiny LLaMA's 2 layers, narrower: the same problem size, an exact MIP with
+recomputation 3x quicker to solve."""
+
+
+def _autop(mesh, hardware: str | None = None, config=CONFIG) -> AutoParallel:
+    model = meta(lambda: Llama(config))
+    inputs = lambda: torch.randint(0, config.vocab_size, (8, 32))  # noqa: E731
     autop = AutoParallel(model, inputs, mesh, hardware=hardware)
     autop.__enter__()
     inp = batch_sharded(mesh.ndim)
@@ -118,7 +123,7 @@ def test_recomputation_under_a_budget_is_planned_near_the_exact_optimum(fake_mes
     and fix fixes a strategy for every node class, what is left is solved as an LP."""
     from helpers.planning import budget_only_recomputing_meets
 
-    optimizer = _autop(fake_mesh((2,))).sharding_optimizer
+    optimizer = _autop(fake_mesh((2,)), config=NARROW).sharding_optimizer
     optimizer.remove_constraints(["parameter_memory"])
     budget = budget_only_recomputing_meets(optimizer)
     optimizer.add_memory_constraint(budget, activation_checkpointing="auto")
@@ -137,7 +142,9 @@ def test_recomputation_under_a_budget_is_planned_near_the_exact_optimum(fake_mes
     exact = solve(problem, SolverOptions(lp_first=False))
     assert found.stats.method == "lp+fix"
     assert any(w is not None and w[1] is not None for w in whole)  # the LP gave the plan
-    assert found.stats.bound <= exact.stats.objective + 1e-6 <= found.stats.objective + 2e-6
+    # each bound is below the other's plan (the exact MIP stops within its relative_gap)
+    assert found.stats.bound <= exact.stats.objective + 1e-6
+    assert exact.stats.bound <= found.stats.objective + 1e-6
     assert found.stats.objective <= exact.stats.objective * (1 + options.fix_gap)
     counts = {k: v for k, v in found.auxiliary.items() if ":" not in k}
     assert counts and all(v == round(v) for v in counts.values()) and sum(counts.values()) >= 1

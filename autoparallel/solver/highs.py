@@ -308,11 +308,11 @@ def _kept_plan(
 
 
 WARM_START_FACTOR = 1.0
-WARM_START_MIN_S = 10.0
+WARM_START_MIN_S = 2.0
 """A relaxation started from an earlier solve's basis runs at most ``WARM_START_FACTOR``
 times what that solve's relaxation took from no basis (and at least ``WARM_START_MIN_S``,
-so that the run-to-run spread of a relaxation of a few seconds does not cut a warm start
-short) before it starts again from none. Usually the warm start is the faster, but not
+so that the run-to-run spread of a relaxation of a fraction of a second does not cut a warm
+start short) before it starts again from none. Usually the warm start is the faster, but not
 always: where the presolve a cold start runs shrinks the problem first, a warm start can
 take several times as long. Once the warm start has run as long as a cold one would take,
 starting again costs at most that much more, and a warm start this slow is usually far
