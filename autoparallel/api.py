@@ -34,7 +34,6 @@ from autoparallel.solver.highs import SolverOptions
 from autoparallel.stage_setup import (
     StageCut,
     StageSetup,
-    check_materialized,
     is_pipeline_mesh,
     with_stage_dim,
     without_pipeline_dim,
@@ -383,8 +382,6 @@ class AutoParallel(PipelinePlanning):
         optimizer = self.sharding_optimizer
         plan = plan or optimizer.get_solution()
         problem = optimizer.problem
-        if self.stage_setup is not None:
-            check_materialized(self.stage_setup)
         start = time.perf_counter()
         module = apply_placement(
             self.model,
@@ -400,7 +397,8 @@ class AutoParallel(PipelinePlanning):
         if self.stage_setup is None:
             return module
         pipeline = plan.pipeline or self.stage_setup.pipeline_plan()
-        return ParallelPipeline(module, pipeline, self.stage_setup.pp_mesh, loss_fn)
+        whole_model = self._whole[0]
+        return ParallelPipeline(module, pipeline, self.stage_setup.pp_mesh, loss_fn, whole_model)
 
     def _add_boundary_constraints(self, constraints: Sequence, nodes: list, what: str) -> list[str]:
         if not isinstance(constraints, (list, tuple)):

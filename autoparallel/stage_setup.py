@@ -311,28 +311,6 @@ def same_stage_graph(cut: StageCut, first: int, second: int) -> bool:
     )
 
 
-def check_materialized(setup: StageSetup) -> None:
-    """Refuse to build a stage cut from a meta-device model: the stage is a GraphModule
-    without the model's ``init_weights``, and its non-persistent buffers (a LLaMA's rotary
-    tables) are in no state dict, so nothing could give them their values and the stage
-    would train on garbage. Planning such a stage is fine (a fake mesh plans a cluster)."""
-    on_meta = [
-        name
-        for name, tensor in (
-            *setup.stage.module.named_parameters(),
-            *setup.stage.module.named_buffers(),
-        )
-        if tensor.is_meta
-    ]
-    if on_meta:
-        raise PipelineError(
-            f"stage {setup.stage.index} was cut from a model on the meta device "
-            f"({', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}): a pipeline "
-            "stage cannot be initialized after to_empty yet; build the model on CPU (or "
-            "load its weights) before AutoParallel, or plan without a 'pp' dim"
-        )
-
-
 def without_pipeline_dim(constraints: Any, what: str, stage_ndim: int) -> Any:
     """The user's placement tuples, written on the whole mesh, without their ``pp`` entry
     (which must be Replicate: the pipeline moves whole microbatches, it does not split a

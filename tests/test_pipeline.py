@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from helpers.pipeline_cases import CONFIG, reference, train_pipelined
+from helpers.pipeline_cases import CONFIG, initialized_model, reference, train_pipelined
 from helpers.planning import run_cli
 from helpers.runtime_cases import TOLERANCE
 from torch.distributed.tensor import Replicate, Shard
@@ -22,12 +22,24 @@ from autoparallel.types.pipeline import PipelineConfig, PipelineError
 
 
 def test_pipelined_training_equals_one_device(ranks, tmp_path):
-    """2 stages (pp) x 2 ranks splitting the rows (dp), 1F1B over 2 microbatches: the
-    losses, the gradients of the first step and the parameters after two AdamW steps equal
-    the single-device run, and a DCP checkpoint of the stages loads them back."""
+    """2 stages (pp) x 2 ranks splitting the rows (dp), 1F1B over 2 microbatches, the model
+    planned on the meta device and each stage initialized by the model's init_weights: the
+    initial values, the losses, the gradients of the first step and the parameters after two
+    AdamW steps equal the single-device run, and a DCP checkpoint of the stages loads them
+    back."""
     expected = reference()
-    results = ranks(4).run(train_pipelined, "1f1b", 2, str(tmp_path), timeout_s=600)
+    one_device = _initial_values()
+    results = ranks(4).run(
+        train_pipelined, "1f1b", 2, str(tmp_path), False, False, True, timeout_s=600
+    )
     assert all(r["reloaded_equal"] for r in results)
+    # the stages' checkpoint is the model's: its keys, no non-persistent buffer
+    assert {k for r in results for k in r["state_keys"]} == set(initialized_model().state_dict())
+    for result in results:  # the rotary tables too: the losses would differ otherwise
+        assert result["initial"] and all(
+            torch.equal(value, one_device[name]) for name, value in result["initial"].items()
+        )
+        assert result["whole_model_on_meta"]
     dp = 2
     assert [r["stage"] for r in results] == [0] * dp + [1] * dp  # pp is the outer dim
     assert results[0]["stages"] == (("layers.0",), ("layers.1",))
@@ -54,15 +66,26 @@ def test_pipelined_training_equals_one_device(ranks, tmp_path):
 
 
 def test_a_mesh_of_pp_alone_trains_equal_to_one_device_under_gpipe(ranks, tmp_path):
-    """Two ranks, one stage each, nothing else split: GPipe over 2 microbatches."""
+    """Two ranks, one stage each, nothing else split: GPipe over 2 microbatches, each stage
+    loading its entries of the one-device model's state dict."""
     expected = reference()
     results = ranks(2).run(train_pipelined, "gpipe", 2, str(tmp_path), False, True, timeout_s=600)
     assert [r["stage"] for r in results] == [0, 1]
+    one_device = _initial_values()
+    assert all(
+        torch.equal(value, one_device[name])
+        for result in results
+        for name, value in result["initial"].items()
+    )
     assert results[1]["losses"] == pytest.approx(expected["losses"], abs=TOLERANCE)
     for result in results:
         assert result["reloaded_equal"]
         for name, value in result["params"].items():
             assert torch.allclose(value, expected["params"][name], atol=TOLERANCE), name
+
+
+def _initial_values() -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in initialized_model().named_parameters()}
 
 
 def test_stages_are_cut_at_the_layer_stack_and_the_model_is_left_as_it_was():
@@ -119,11 +142,6 @@ def test_a_pipeline_that_cannot_run_is_refused_with_what_to_change(fake_mesh):
     with _planner(fake_mesh, (2, 2), ("dp", "tp")) as autop:
         with pytest.raises(PipelineError, match="needs a mesh whose first dim is named 'pp'"):
             autop.add_pipeline_constraint(schedule="gpipe")
-    # planned from a meta model: fine; built, it could never get its rotary tables back
-    with _planner(fake_mesh, (2, 2), ("pp", "dp")) as autop:
-        plan = autop.optimize_placement()
-        with pytest.raises(PipelineError, match="cut from a model on the meta device"):
-            autop.apply_placement(plan, loss_fn=lambda out, target: out.sum())
 
 
 def test_a_pipelined_plan_says_its_stages(fake_mesh):
@@ -369,3 +387,73 @@ def test_the_fastest_setting_within_the_budget_is_kept():
     assert choose_option(options, 60.0) == 0
     assert choose_option(options, 40.0) == 0  # none fits: the smallest peak
     assert choose_option(options[2:], None) == -1
+
+
+class _GlobalDrawLlama(Llama):
+    """torchtitan's way: weights drawn by nn.init from torch's global generator."""
+
+    def init_module(self, module: torch.nn.Module, generator: torch.Generator | None) -> None:
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.trunc_normal_(module.weight, std=0.02)
+        else:
+            super().init_module(module, generator)
+
+
+def test_a_stage_of_a_meta_model_is_initialized_by_the_models_own_init_weights():
+    """The last stage, planned from a meta model: refused before to_empty; then the model's
+    init_weights gives its norms the one-device values and its weights draws of the model's
+    distribution, leaving the user's model on meta; a whole state dict
+    loads this stage's entries, and one that does not fit is refused naming the keys."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from autoparallel import InitError
+    from autoparallel.runtime.launch import fake_mesh
+
+    config = llama_config("tiny", n_layers=2)
+    try:
+        mesh = fake_mesh((2,), ("pp",), rank=1)
+        with torch.device("meta"):
+            model = _GlobalDrawLlama(config)
+        tokens = torch.zeros(8, 32, dtype=torch.long)
+        with AutoParallel(model, lambda: tokens, mesh, hardware="cpu") as autop:
+            autop.add_pipeline_constraint(schedule="gpipe", microbatches=2)
+            plan = autop.optimize_placement()
+            pipe = autop.apply_placement(plan, loss_fn=lambda out, target: out.sum())
+        assert plan.pipeline.stage_index == 1
+        with pytest.raises(InitError, match="still on the meta device: call pipe.to_empty"):
+            pipe.init_weights()
+        pipe.to_empty(device="cpu")
+        torch.manual_seed(0)
+        pipe.init_weights()
+        assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+        reference = _GlobalDrawLlama(config)
+        torch.manual_seed(0)
+        reference.init_weights()
+        expected = dict(reference.named_parameters()) | dict(reference.named_buffers())
+        stage = dict(pipe.module.named_parameters()) | dict(pipe.module.named_buffers())
+        assert {"norm.weight", "output.weight"} <= set(stage)
+        assert "rope_cos" not in stage  # the first stage slices the tables and passes them on
+
+        def local_expected(name: str) -> torch.Tensor:
+            tensor = stage[name]
+            full = expected[name].detach()
+            return distribute_tensor(full, tensor.device_mesh, tensor.placements).to_local()
+
+        for name in ("norm.weight", "layers.1.ffn_norm.weight"):
+            assert torch.equal(stage[name].to_local(), local_expected(name)), name
+        weight = stage["layers.1.attention.wq.weight"].to_local().detach()
+        assert 0.015 < float(weight.std()) < 0.025  # drawn, N(0, 0.02^2) truncated at +-2
+        # the one-device model's state dict: this stage's entries, nothing else
+        pipe.load_state_dict(reference.state_dict())
+        for name, tensor in pipe.module.named_parameters():
+            assert torch.equal(tensor.to_local(), local_expected(name)), name
+        with pytest.raises(
+            KeyError,
+            match="missing this stage.s layers.1.attention_norm.weight, layers.1.attention.wq",
+        ):
+            pipe.load_state_dict({"tok_embeddings.weight": expected["tok_embeddings.weight"]})
+        with pytest.raises(KeyError, match="keys of no tensor of the model: extra"):
+            pipe.load_state_dict(reference.state_dict() | {"extra": torch.zeros(1)})
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

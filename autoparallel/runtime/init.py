@@ -57,11 +57,15 @@ class InitError(RuntimeError):
 
 
 @contextlib.contextmanager
-def full_value_init(module: nn.Module) -> Iterator[None]:
+def full_value_init(module: nn.Module, runs_on: nn.Module | None = None) -> Iterator[None]:
     """Run initialization code written for the unsharded model on a parallel module.
 
     See the module docstring for what each pattern does. Reentrant: nested uses (an
     ``init_weights`` calling a submodule's ``reset_parameters``) share the outer context.
+
+    ``runs_on``: the module tree the code runs on, when not ``module`` itself (a pipeline
+    stage's init runs the whole model's code on the whole model holding the stage's planned
+    tensors, runtime/stage_init.py): assignments anywhere in that tree are caught.
     """
     runtime = getattr(module, "_autoparallel", None)
     if runtime is None:
@@ -72,7 +76,7 @@ def full_value_init(module: nn.Module) -> Iterator[None]:
     if runtime.initializing:
         yield
         return
-    assignment = _AssignmentRule(module)
+    assignment = _AssignmentRule(runs_on if runs_on is not None else module)
     runtime.initializing = True
     try:
         with contextlib.ExitStack() as stack:

@@ -17,13 +17,19 @@ row-splitting ranks for a mean over the whole batch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autoparallel.runtime.stage_init import (
+    StageKeys,
+    init_stage,
+    stage_state_dict,
+    whole_model_entries,
+)
 from autoparallel.types.pipeline import PipelineError, PipelinePlan
 
 
@@ -42,6 +48,7 @@ class ParallelPipeline:
         pipeline: PipelinePlan,
         pp_mesh: DeviceMesh,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        whole_model: nn.Module,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -51,6 +58,7 @@ class ParallelPipeline:
                 "apply_placement(plan, loss_fn=...)"
             )
         self.module = module
+        self.whole_model = whole_model
         self.pipeline = pipeline
         device = torch.device(pp_mesh.device_type)
         self.stage = PipelineStage(
@@ -80,7 +88,34 @@ class ParallelPipeline:
         return self.module.named_parameters()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.module.state_dict()
+        """This stage's entries of the whole model's state dict, under the model's own names
+        (DTensors: a ``torch.distributed.checkpoint`` of every rank's is the whole model's
+        checkpoint; the model's non-persistent buffers, which the cut holds as persistent
+        ones, are left out as the model leaves them out)."""
+        return whole_model_entries(self.whole_model, self.module.state_dict())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> StageKeys:
+        """Load this stage's entries of the whole model's state dict (full tensors or
+        DTensors); with ``strict``, a key of this stage it lacks or a key of no tensor of the
+        model raises ``KeyError`` naming it (runtime/stage_init.py). Returns the keys that
+        did not fit, as ``nn.Module.load_state_dict`` does."""
+        mine, keys = stage_state_dict(self.whole_model, self.module, state_dict, strict)
+        self.module.load_state_dict(mine, strict=False)  # the checks were ours
+        return keys
+
+    def to_empty(self, *, device: torch.device | str) -> ParallelPipeline:
+        """Give this stage's meta tensors storage on ``device`` (values uninitialized: call
+        :meth:`init_weights` or :meth:`load_state_dict` next)."""
+        self.module.to_empty(device=device)
+        return self
+
+    def init_weights(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``init_weights(*args, **kwargs)``, run so that it initializes this
+        stage's parameters and buffers (non-persistent ones included) as it initializes the
+        whole model. Call it after :meth:`to_empty` on a model planned on meta. Values drawn
+        from torch's global generator differ from one device's: seed each stage apart
+        (``torch.manual_seed(seed + pipe.pipeline.stage_index)``); see runtime/stage_init.py."""
+        return init_stage(self.whole_model, self.module, "init_weights", *args, **kwargs)
 
     def step(
         self,

@@ -31,7 +31,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _model() -> Llama:
+def initialized_model() -> Llama:
     model = Llama(CONFIG)
     model.init_weights(seed=0)
     return model
@@ -48,7 +48,7 @@ def reference(bf16: bool = False) -> dict[str, Any]:
     bf16 under ``MixedPrecisionModule`` where ``bf16``)."""
     from autoparallel.trace.mixed_precision import MixedPrecisionModule
 
-    model = _model()
+    model = initialized_model()
     run = MixedPrecisionModule(model, _policy(True)) if bf16 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
@@ -72,19 +72,28 @@ def train_pipelined(
     checkpoint: str,
     bf16: bool = False,
     pp_alone: bool = False,
+    on_meta: bool = False,
 ) -> dict[str, Any]:
     """Plan on a (2, world_size // 2) pp x dp gloo mesh (``pp_alone``: a (2,) pp mesh; ``bf16``:
     under a bf16/fp32 policy) with the schedule and microbatches
     fixed, then STEPS AdamW steps with ``pipe.step``: this rank's stage's losses per step
     (last stage only), its gradients of step 0, its parameters after, and whether a DCP
-    checkpoint in ``checkpoint`` (a directory) gives them back."""
+    checkpoint in ``checkpoint`` (a directory) gives them back. ``on_meta``: the model is
+    built and planned on the meta device, its stage materialized by ``pipe.to_empty`` and
+    ``pipe.init_weights(seed=0)`` (the reference's init); else built on CPU, and loaded
+    again from the reference model's whole state dict by ``pipe.load_state_dict``."""
     dp = 1 if pp_alone else world_size // 2
     shape, names = ((2,), ("pp",)) if pp_alone else ((2, dp), ("pp", "dp"))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     # whole microbatches between stages, rows split over dp
     rows = (Replicate(),) if pp_alone else (Replicate(), Shard(0))
     all_batches = batches()
-    model, policy = _model(), _policy(bf16)
+    if on_meta:
+        with torch.device("meta"):
+            model = Llama(CONFIG)
+    else:
+        model = initialized_model()
+    policy = _policy(bf16)
     with AutoParallel(model, lambda: all_batches[0][0], mesh, policy, hardware="cpu") as autop:
         autop.add_pipeline_constraint(schedule=schedule, microbatches=microbatches)
         autop.add_input_constraints([rows])
@@ -94,6 +103,12 @@ def train_pipelined(
         pipe = autop.apply_placement(
             plan, loss_fn=lambda out, tgt: F.mse_loss(out.float(), tgt) / dp
         )
+    if on_meta:
+        pipe.to_empty(device="cpu")
+        pipe.init_weights(seed=0)
+    else:
+        pipe.load_state_dict(initialized_model().state_dict())
+    initial = full_params(pipe.module)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
     row = 0 if pp_alone else mesh.get_local_rank("dp")
     losses, grads = [], {}
@@ -108,16 +123,19 @@ def train_pipelined(
             losses.append(float(torch.stack(step_losses).detach().mean()))
     params = full_params(pipe.module)
     # a torch.distributed.checkpoint of every stage, loaded back over zeroed parameters
-    dcp.save(pipe.module.state_dict(), checkpoint_id=checkpoint)
+    dcp.save(pipe.state_dict(), checkpoint_id=checkpoint)
     with torch.no_grad():
         for param in pipe.parameters():
             param.zero_()
-    state = pipe.module.state_dict()
+    state = pipe.state_dict()
     dcp.load(state, checkpoint_id=checkpoint)
-    pipe.module.load_state_dict(state)
+    pipe.load_state_dict(state, strict=False)  # this stage's entries only
     reloaded = full_params(pipe.module)
     return {
         "reloaded_equal": all(torch.equal(params[k], reloaded[k]) for k in params),
+        "initial": initial,
+        "state_keys": sorted(state),
+        "whole_model_on_meta": all(t.is_meta for t in (*model.parameters(), *model.buffers())),
         "stage": plan.pipeline.stage_index,
         "stages": plan.pipeline.stages,
         "losses": losses,
