@@ -511,14 +511,24 @@ def test_the_dive_fixes_a_fractional_relaxation_near_the_optimum(fake_mesh):
     assert np.array_equal(highs.getLp().col_upper_, upper)
 
 
-@pytest.mark.parametrize("share, method", [(0.0, "lp+dive"), (1.01, "lp+fix")])
-def test_the_dive_goes_first_where_relax_and_fix_would_leave_a_large_mip(
-    fake_mesh, monkeypatch, share, method
+@pytest.mark.parametrize(
+    "budget, share, method",
+    [(False, 1.01, "lp+dive"), (True, 0.0, "lp+dive"), (True, 1.01, "lp+fix")],
+    ids=["no-budget", "budget-large-mip", "budget-small-mip"],
+)
+def test_the_dive_goes_first_unless_a_budget_leaves_relax_and_fix_a_small_mip(
+    fake_mesh, monkeypatch, budget, share, method
 ):
-    """Relax and fix's MIP is over the node classes the relaxation left without a strategy
-    above 0.5; where that share reaches DIVE_UNFIXED_SHARE (a relaxation averaging a plan
-    and its mirror image), the dive runs first and its plan is kept within fix_gap."""
-    problem = _autop(fake_mesh((2, 2)), "cpu").sharding_optimizer.problem
+    """Without a peak-memory budget the fractional classes are ties between plans of one
+    price: the dive runs first and its plan is kept within fix_gap. Under a budget it runs
+    first only where relax and fix would leave at least DIVE_UNFIXED_SHARE of the node
+    classes (no strategy above 0.5) to its MIP."""
+    mesh = fake_mesh((2, 2))
+    if budget:
+        problem, _ = _budgeted(mesh)
+    else:
+        problem = _autop(mesh, "cpu").sharding_optimizer.problem
+    assert (problem.memory_budget is not None) == budget
     monkeypatch.setattr(fixing, "DIVE_UNFIXED_SHARE", share)
     found = solve(problem, SolverOptions(lp_first_min_variables=0))
     assert found.stats.method == method
