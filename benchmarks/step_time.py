@@ -59,9 +59,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import autoparallel_backend, measure_step
 from autoparallel.runtime.launch import run_distributed
+from benchmarks.recipes import parallelize_llama_2d
 from benchmarks.results import preset_suffix, record
 from benchmarks.workloads import (
     ROUND_WARMUP,
@@ -82,10 +84,24 @@ COMPILED = "+compile"
 """Suffix of the variants of ours run under torch.compile(..., backend=autoparallel_backend())."""
 
 
+DP_TP = ("dp", "tp")
+HAND_2D = "hand-2d"
+"""The 2-D recipe written by hand (benchmarks/recipes.py): TP + SP on tp, FSDP2 on dp."""
+
+
+def _initialized(workload: Any) -> nn.Module:
+    model = workload.build()
+    model.init_weights(seed=0)
+    return model
+
+
 def _build_ours(
     model_name: str, mesh: Any, memory: bool, hardware: str | None
 ) -> tuple[nn.Module, dict]:
-    planned = plan_ours(WORKLOADS[model_name], mesh, hardware=hardware, memory_constraint=memory)
+    rows = (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)  # split over dp, whole over tp
+    planned = plan_ours(
+        WORKLOADS[model_name], mesh, hardware=hardware, memory_constraint=memory, rows=rows
+    )
     plan = planned.plan
     placements = sorted({str(p) for p in plan.param_placements.values()})
     return planned.module, {
@@ -112,19 +128,34 @@ class _Prepared:
 
 
 def _prepare(
-    rank: int, world_size: int, variant: str, model_name: str, hardware: str | None
+    rank: int,
+    world_size: int,
+    variant: str,
+    model_name: str,
+    hardware: str | None,
+    mesh_shape: tuple[int, int] | None = None,
 ) -> _Prepared:
-    """Build ``variant`` on this rank: the model, its AdamW and one training step."""
+    """Build ``variant`` on this rank: the model, its AdamW and one training step. With
+    ``mesh_shape`` (dp, tp), ours and the hand recipe run on that 2-D mesh, each rank
+    feeding the rows of its dp coordinate; FSDP2 and DDP on all the ranks as one dim."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world_size,))
+    flat = init_device_mesh("cpu", (world_size,))
+    mesh = flat if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=DP_TP)
+    row_splits, row = (
+        (world_size, rank) if mesh_shape is None else (mesh_shape[0], mesh.get_local_rank("dp"))
+    )
     extra: dict = {}
     workload = WORKLOADS[model_name]
+    if variant in ("fsdp2", "ddp"):
+        row_splits, row = world_size, rank
     if variant == "fsdp2":
-        model = build_torch_fsdp2(workload, mesh)
+        model = build_torch_fsdp2(workload, flat)
     elif variant == "ddp":
         model = build_torch_ddp(workload)
+    elif variant == HAND_2D:
+        model = parallelize_llama_2d(_initialized(workload), mesh)
     else:
         memory = variant.startswith("ours-memory")
         model, extra = _build_ours(model_name, mesh, memory=memory, hardware=hardware)
@@ -136,10 +167,10 @@ def _prepare(
         torch.compile(model, backend=autoparallel_backend(), fullgraph=True) if compiled else model
     )
     inputs, targets = workload.global_batch()
-    inputs, targets = local_rows(inputs, rank, world_size), local_rows(targets, rank, world_size)
+    inputs, targets = local_rows(inputs, row, row_splits), local_rows(targets, row, row_splits)
     losses: list[float] = []
     phase_ms: dict[str, list[float]] = {}
-    scale = 1.0 / world_size if variant.startswith("ours") else 1.0  # see training_step
+    scale = 1.0 / row_splits if variant.startswith("ours") else 1.0  # see training_step
     step = training_step(run, optimizer, inputs, targets, scale, losses, phase_ms)
     return _Prepared(
         variant, model, step, losses, phase_ms, extra, _CompileCounter() if compiled else None
@@ -183,11 +214,12 @@ def time_variant(
     steps: int,
     warmup: int,
     hardware: str | None,
+    mesh_shape: tuple[int, int] | None = None,
 ) -> dict:
     """One rank of one variant in its own set of ranks (``--separate``): build, train
     ``warmup + steps`` steps, return timings."""
     os.dup2(2, 1)  # keep the parent's stdout for JSON lines (HiGHS prints a banner)
-    prepared = _prepare(rank, world_size, variant, model_name, hardware)
+    prepared = _prepare(rank, world_size, variant, model_name, hardware, mesh_shape)
     first, compiles = _warm_up(prepared, warmup)
     timed = measure_step(prepared.step, steps=steps, warmup=0)
     return _result(prepared, list(timed.step_ms), first, compiles)
@@ -211,13 +243,17 @@ def time_interleaved(
     warmup: int,
     rounds: int,
     hardware: str | None,
+    mesh_shape: tuple[int, int] | None = None,
 ) -> dict[str, dict]:
     """One rank of every variant of a comparison in one set of ranks: build them all, warm
     each up, then time them round-robin, ``rounds`` rounds of ``steps / rounds`` steps
     (each round starts each variant with ``workloads.ROUND_WARMUP`` untimed steps), so a slow spell
     of the machine, and the build of a set of ranks, fall on all of them alike."""
     os.dup2(2, 1)  # keep the parent's stdout for JSON lines (HiGHS prints a banner)
-    built = [_prepare(rank, world_size, variant, model_name, hardware) for variant in variants]
+    built = [
+        _prepare(rank, world_size, variant, model_name, hardware, mesh_shape)
+        for variant in variants
+    ]
     warmed = {prepared.variant: _warm_up(prepared, warmup) for prepared in built}
     runs = {p.variant: TimedRun(p.step, None, p.phase_ms) for p in built}
     timings = round_robin(runs, rounds, -(-steps // rounds), ROUND_WARMUP)
@@ -289,6 +325,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
                 args.steps,
                 args.warmup,
                 args.hardware,
+                args.mesh,
                 timeout_s=args.timeout,
                 pin_cores=args.pin_cores,
             )[0]
@@ -310,6 +347,7 @@ def run_interleaved(variants: list[str], args: argparse.Namespace) -> dict[str, 
             args.warmup,
             args.rounds,
             args.hardware,
+            args.mesh,
             timeout_s=args.timeout * len(variants),
             pin_cores=args.pin_cores,
         )[0],
@@ -366,6 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--nproc", type=int, default=2, help="number of gloo CPU ranks (1-D mesh)")
+    parser.add_argument(
+        "--mesh",
+        type=_mesh_shape,
+        default=None,
+        help="DPxTP, e.g. 2x2: ours (free and memory-constrained) and the hand-written 2-D "
+        "recipe on that (dp, tp) mesh, FSDP2 on all its ranks, in one comparison",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--hardware", default="cpu", help="hardware preset the planner prices for")
@@ -398,6 +443,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --steps >= 1, --warmup >= 0, --nproc >= 1, --rounds >= 1")
     if args.compile and args.warmup < 1:
         parser.error("--compile needs --warmup >= 1: the first step compiles and must not be timed")
+    if args.mesh is not None:
+        if args.model not in HAND_RECIPE_MODELS:
+            parser.error(
+                f"--mesh compares with the hand LLaMA recipe: --model {HAND_RECIPE_MODELS}"
+            )
+        if args.compile or args.separate:
+            parser.error("--mesh runs one round-robin comparison: no --compile, no --separate")
+        args.nproc = args.mesh[0] * args.mesh[1]
+        return _compare_2d(args, argv)
 
     comparisons = [("memory", "ours-memory", "fsdp2"), ("free", "ours-free", "ddp")]
     failed = False
@@ -440,6 +494,65 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(line), flush=True)
         record("step_time", _figures(args, comparison, line), argv)
     return 1 if failed else 0
+
+
+HAND_RECIPE_MODELS = ("llama-tiny", "llama-small")
+VARIANTS_2D = ("ours-free", "ours-memory", HAND_2D, "fsdp2")
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    try:
+        dp, tp = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh takes DPxTP, e.g. 2x2, got {text!r}") from None
+    if dp < 1 or tp < 1:
+        raise argparse.ArgumentTypeError(f"--mesh {text}: both sizes must be >= 1")
+    return dp, tp
+
+
+def _compare_2d(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Ours (free, memory-constrained) against the hand 2-D recipe and FSDP2 alone, one set
+    of ranks, round-robin; one JSON line, and ours / hand recorded for both of ours."""
+    results = run_interleaved(list(VARIANTS_2D), args)
+    hand = results[HAND_2D]
+    line = {
+        "model": args.model,
+        "mesh": list(args.mesh),
+        "mesh_dim_names": list(DP_TP),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "pin_cores": args.pin_cores,
+        **{variant: {"status": r["status"], **_summary(r)} for variant, r in results.items()},
+        **{f"ratio_{v}_over_hand": _ratio(results[v], hand) for v in VARIANTS_2D if v != HAND_2D},
+        # same init, same batch: every variant's first loss is the one-device loss
+        "first_losses_agree": _first_losses_agree(results),
+    }
+    print(json.dumps(line), flush=True)
+    mesh = "x".join(str(n) for n in args.mesh)
+    setting = f"{args.model}, ({mesh}) dp x tp on {args.nproc} gloo ranks, {args.steps} steps"
+    figures = [
+        {
+            "question": f"{args.model}-{mesh}-{ours.removeprefix('ours-')}-vs-hand"
+            + preset_suffix(args.hardware),
+            "what": f"step time, {label} / the hand 2-D recipe (TP+SP, FSDP2 per layer), {setting}",
+            "figure": line[f"ratio_{ours}_over_hand"],
+            "unit": "x",
+            **line,
+        }
+        for ours, label in (
+            ("ours-free", "ours (free)"),
+            ("ours-memory", "ours (parameter memory constraint)"),
+        )
+    ]
+    record("step_time", figures, argv)
+    failed = any(r["status"] == "error" for r in results.values())
+    return 1 if failed or not line["first_losses_agree"] else 0
+
+
+def _first_losses_agree(results: dict[str, dict]) -> bool:
+    firsts = [r["loss_first"] for r in results.values() if r["status"] == "ok"]
+    return bool(firsts) and max(firsts) - min(firsts) <= 1e-4 * max(abs(f) for f in firsts)
 
 
 THEIRS = {"memory": ("ours (parameter memory constraint)", "FSDP2"), "free": ("ours (free)", "DDP")}
