@@ -21,6 +21,10 @@ Comparisons, one JSON line each on stdout (children's output goes to stderr):
 * ``memory``: ours planned with ``add_parameter_memory_constraint()`` vs ``fully_shard``.
 * ``free``:   ours planned without a memory constraint vs ``DistributedDataParallel``.
 
+``--mesh DPxTP`` (LLaMA models): one comparison on that (dp, tp) mesh instead, round-robin:
+ours free and memory-constrained against the 2-D recipe written by hand (benchmarks/recipes.py)
+and FSDP2 alone; each / the hand recipe, and ``first_losses_agree`` (one init, one batch).
+
 ``ratio`` is ours / theirs (below 1: ours is faster). Each line is also appended to
 ``benchmarks/results/step_time.jsonl``, its figure that ratio, under the question
 ``<model>-<nproc>r-<comparison>`` (then ``-pinned``, ``-separate`` where those flags are set,
@@ -62,6 +66,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import autoparallel_backend, measure_step
+from autoparallel.cli.common import UsageError, parse_mesh
 from autoparallel.runtime.launch import run_distributed
 from benchmarks.recipes import parallelize_llama_2d
 from benchmarks.results import preset_suffix, record
@@ -406,7 +411,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="number of gloo CPU ranks (1-D mesh)")
     parser.add_argument(
         "--mesh",
-        type=_mesh_shape,
         default=None,
         help="DPxTP, e.g. 2x2: ours (free and memory-constrained) and the hand-written 2-D "
         "recipe on that (dp, tp) mesh, FSDP2 on all its ranks, in one comparison",
@@ -444,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile and args.warmup < 1:
         parser.error("--compile needs --warmup >= 1: the first step compiles and must not be timed")
     if args.mesh is not None:
+        try:
+            args.mesh = parse_mesh(args.mesh)
+        except UsageError as error:
+            parser.error(str(error))
+        if len(args.mesh) != 2:
+            parser.error(f"--mesh takes DPxTP, e.g. 2x2, got {'x'.join(map(str, args.mesh))}")
         if args.model not in HAND_RECIPE_MODELS:
             parser.error(
                 f"--mesh compares with the hand LLaMA recipe: --model {HAND_RECIPE_MODELS}"
@@ -498,16 +508,6 @@ def main(argv: list[str] | None = None) -> int:
 
 HAND_RECIPE_MODELS = ("llama-tiny", "llama-small")
 VARIANTS_2D = ("ours-free", "ours-memory", HAND_2D, "fsdp2")
-
-
-def _mesh_shape(text: str) -> tuple[int, int]:
-    try:
-        dp, tp = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh takes DPxTP, e.g. 2x2, got {text!r}") from None
-    if dp < 1 or tp < 1:
-        raise argparse.ArgumentTypeError(f"--mesh {text}: both sizes must be >= 1")
-    return dp, tp
 
 
 def _compare_2d(args: argparse.Namespace, argv: list[str] | None) -> int:
