@@ -86,11 +86,10 @@ least this share of the node classes to its MIP (no strategy above its first thr
 after a mirror-image tie (see :func:`dive`), where a few fixes cost far less than that MIP.
 Below it relax and fix alone: there the fractional classes are the budget's trade of time
 for memory, each fix moves the budget's price, and the dive needs many fixes, each a
-re-solve (the 8B on (8, 8) under half its memory: 41 s by dive first, 14 s by relax and
-fix). Without a peak-memory budget the dive always goes first: the fractional classes are
-ties between plans of one price, which a few fixes break, while relax and fix's MIP over
-even a fifth of the classes is slow (the 70B on (4, 8, 8): 15 and 4 fixes, 10 s, where relax
-and fix's MIPs took 160 s and 26 s)."""
+re-solve, where relax and fix's MIP is quick. Without a peak-memory budget the dive always
+goes first: the fractional classes are ties between plans of one price, which a few fixes
+break, while relax and fix's MIP over even a fifth of the classes is slow (3-D meshes; see
+docs/architecture.md)."""
 
 
 def _fix_relaxation(
