@@ -69,12 +69,12 @@ def stage_state_dict(
     that did not fit; with ``strict``, any such key raises ``KeyError`` naming it. The stage's
     keys are those of the whole model's state dict it holds (the cut registers the model's
     non-persistent buffers as its own persistent ones: they are in no checkpoint)."""
-    known = list(whole.state_dict(keep_vars=True))
+    known = whole.state_dict(keep_vars=True)  # ordered: this stage's keys in model order
     held = set(stage.state_dict(keep_vars=True))
     mine = [key for key in known if key in held]
     keys = StageKeys(
         missing_keys=[key for key in mine if key not in state_dict],
-        unexpected_keys=[key for key in state_dict if key not in set(known)],
+        unexpected_keys=[key for key in state_dict if key not in known],
     )
     if strict and (keys.missing_keys or keys.unexpected_keys):
         parts = []
