@@ -102,6 +102,27 @@ def test_stages_are_cut_at_the_layer_stack_and_the_model_is_left_as_it_was():
     assert not stages[0].example_inputs[0].requires_grad  # integer tokens
 
 
+def test_a_tensor_held_under_two_names_is_cut_by_its_first_and_a_tie_is_named():
+    """torchtitan's style keeps the rotary table as `freqs_cis` and `rope.cache`: the cut
+    keeps the first name, every stage reading the table holds it, and the model keeps both
+    names. Embeddings tied across the first and last stage cannot be cut: the error names
+    the tie."""
+    from autoparallel.models.titan_like import TitanArgs, TitanLlama
+
+    tokens = torch.zeros(4, 32, dtype=torch.long)
+    with torch.device("meta"):
+        model = TitanLlama(TitanArgs())
+    stages = split_stages(model, (tokens,), {}, 2)
+    assert [s.layers for s in stages] == [("layers.0",), ("layers.1",)]
+    assert all("freqs_cis" in dict(s.module.named_buffers()) for s in stages)
+    assert model.rope.cache is model.freqs_cis
+    with torch.device("meta"):
+        tied = TitanLlama(TitanArgs(tie_embeddings=True))
+    with pytest.raises(PipelineError, match="tok_embeddings.weight is output.weight"):
+        split_stages(tied, (tokens,), {}, 2)
+    assert tied.output.weight is tied.tok_embeddings.weight
+
+
 def test_stage_layer_counts_and_their_errors():
     assert stage_layer_counts(10, 4) == (3, 3, 2, 2)
     assert stage_layer_counts(4, 2, (1, 3)) == (1, 3)

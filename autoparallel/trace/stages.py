@@ -125,12 +125,14 @@ def split_stages(
         with (
             _forwards_restored(model, list(split_spec)),
             _computing_in(model, compute_dtype) as own,
+            _aliases_unregistered(model) as aliases,
         ):
             pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
     except Exception as error:  # torch.export's own errors, long and deep
         raise PipelineError(
             f"torch.distributed.pipelining could not trace {type(model).__name__} to cut it "
             f"into {num_stages} stages: {type(error).__name__}: {str(error).splitlines()[0]}"
+            + _alias_hint(aliases)
         ) from error
     if pipe.num_stages != num_stages:
         raise PipelineError(
@@ -192,6 +194,55 @@ def _computing_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[dict[
     finally:
         for name, tensor in own.items():
             _set(model, name, tensor)
+
+
+@contextlib.contextmanager
+def _aliases_unregistered(model: nn.Module) -> Iterator[list[tuple[str, str]]]:
+    """``model`` with every tensor registered under one name only (its first, in
+    ``named_parameters``/``named_buffers`` order) while it is cut: torch's splitter moves a
+    tensor to the stages by one name and then looks it up by the other (a rotary table kept
+    as ``freqs_cis`` and as ``rope.cache``). A forward that reads the other name then fails
+    to trace, and the error names the pair (yielded: (kept name, removed name)). Every
+    registration is put back after."""
+    first: dict[int, str] = {}
+    removed: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    named = (
+        *(("_parameters", n, t) for n, t in model.named_parameters(remove_duplicate=False)),
+        *(("_buffers", n, t) for n, t in model.named_buffers(remove_duplicate=False)),
+    )
+    for kind, name, tensor in named:
+        if id(tensor) not in first:
+            first[id(tensor)] = name
+            continue
+        owner_path, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_path) if owner_path else model
+        removed.append((owner, kind, leaf, getattr(owner, kind).pop(leaf)))
+    pairs = [
+        (first[id(tensor)], f"{_path_of(model, owner)}{leaf}") for owner, _, leaf, tensor in removed
+    ]
+    try:
+        yield pairs
+    finally:
+        for owner, kind, leaf, tensor in reversed(removed):
+            getattr(owner, kind)[leaf] = tensor
+
+
+def _path_of(model: nn.Module, module: nn.Module) -> str:
+    for path, candidate in model.named_modules(remove_duplicate=False):
+        if candidate is module:
+            return f"{path}." if path else ""
+    return ""
+
+
+def _alias_hint(aliases: list[tuple[str, str]]) -> str:
+    if not aliases:
+        return ""
+    shown = ", ".join(f"{kept} is {other}" for kept, other in aliases[:3])
+    return (
+        f" (the model holds tensors under two names: {shown}; the cut keeps the first name "
+        "only, so a forward that reads the other cannot be cut: read one name, or untie "
+        "them, e.g. tied embeddings across the first and last stage)"
+    )
 
 
 def _give_back(stage: nn.Module, own: dict[str, torch.Tensor]) -> None:
