@@ -523,11 +523,10 @@ def test_the_dive_goes_first_unless_a_budget_leaves_relax_and_fix_a_small_mip(
     price: the dive runs first and its plan is kept within fix_gap. Under a budget it runs
     first only where relax and fix would leave at least DIVE_UNFIXED_SHARE of the node
     classes (no strategy above 0.5) to its MIP."""
-    mesh = fake_mesh((2, 2))
     if budget:
-        problem, _ = _budgeted(mesh)
+        problem, _ = _budgeted(fake_mesh((4,)))
     else:
-        problem = _autop(mesh, "cpu").sharding_optimizer.problem
+        problem = _autop(fake_mesh((2, 2)), "cpu").sharding_optimizer.problem
     assert (problem.memory_budget is not None) == budget
     monkeypatch.setattr(fixing, "DIVE_UNFIXED_SHARE", share)
     found = solve(problem, SolverOptions(lp_first_min_variables=0))
