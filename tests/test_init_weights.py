@@ -64,9 +64,10 @@ def parallel_titan(fake_mesh):
 
 
 def test_wrong_assignments_within_full_value_init_raise_with_what_to_do(parallel_titan):
-    """`.data = ...`, a tensor of another shape and a DTensor of another placement each
-    raise at once, naming the parameter and what to do instead (one plan for the four
-    cases: planning is the expensive part)."""
+    """`.data = ...`, a tensor of another shape or of a dtype torch would not cast to the
+    planned one, and a DTensor of another placement each raise at once, naming the parameter
+    and what to do instead; a safe cast is copied (one plan for every case: planning is the
+    expensive part)."""
     with pytest.raises(
         InitError, match=r"output\.weight was assigned with `\.data = \.\.\.`.*copy_"
     ):
@@ -92,6 +93,17 @@ def test_wrong_assignments_within_full_value_init_raise_with_what_to_do(parallel
     with pytest.raises(InitError, match="tie them in the model before planning"):
         with full_value_init(parallel_titan):
             wq.weight = nn.Parameter(replicated)
+    # another dtype: copied where torch casts it safely (the reference implementation's own
+    # test assigns torch.arange to a float32 buffer), refused where it does not
+    table = parallel_titan.freqs_cis
+    positions = torch.arange(table.numel()).view(table.shape)  # int64
+    with full_value_init(parallel_titan):
+        parallel_titan.freqs_cis = positions
+    assert parallel_titan.freqs_cis is table and table.dtype == torch.float32
+    assert torch.equal(table.full_tensor(), positions.float())
+    with pytest.raises(InitError, match=r"wq\.weight: assigned a torch\.complex64 tensor"):
+        with full_value_init(parallel_titan):
+            wq.weight = nn.Parameter(torch.zeros(wq.weight.shape, dtype=torch.complex64))
 
 
 def test_assignments_outside_init_weights(parallel_titan):

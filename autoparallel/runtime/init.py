@@ -12,6 +12,10 @@ values the unsharded model would have, each rank keeping its shard:
   copies the value into the existing DTensor, which stays the same object: an optimizer
   built before the init keeps seeing it, and a buffer registered under two names stays
   shared. Assigning a DTensor with the plan's spec (tying two parameters) keeps it as is.
+  A value of another dtype is copied, cast, where torch casts it to the planned dtype as a
+  same-kind-or-wider cast (``self.buf = torch.arange(n)`` into a float32 buffer: plain torch
+  would make the buffer int64, but the plan computes in the dtype it was planned with); one
+  torch would not cast so (a float into an integer buffer) raises.
 * **mixing** plain tensors with DTensors in an op reads the plain tensor as the replicated
   full value (DTensor's implicit replication): ``param.data[:] = full``,
   ``param.copy_(full)``, a submodule's own ``load_state_dict`` of full tensors.
@@ -165,7 +169,7 @@ def _check_assignable(name: str, current: DTensor, value: torch.Tensor) -> None:
             f"{name}: assigned a tensor of shape {tuple(value.shape)}, but the model was planned "
             f"with {tuple(current.shape)}; assign a tensor of the planned shape"
         )
-    if value.dtype != current.dtype:
+    if value.dtype != current.dtype and not torch.can_cast(value.dtype, current.dtype):
         raise InitError(
             f"{name}: assigned a {value.dtype} tensor, but the model was planned with "
             f"{current.dtype}; convert it first (`.to({current.dtype})`)"
