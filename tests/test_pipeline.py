@@ -478,3 +478,28 @@ def test_a_stage_of_a_meta_model_is_initialized_by_the_models_own_init_weights()
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_a_hugging_face_causal_lm_is_cut_and_planned(fake_mesh):
+    """LlamaForCausalLM as it comes, on meta: its stages compute their cache positions and
+    masks on the device they run on (export recorded meta), and a model returning its
+    key/value cache is refused with what to set."""
+    pytest.importorskip("transformers")
+    from autoparallel.models.hf_families import (
+        NO_DROPOUT,
+        build_hf_family,
+        hf_family,
+        hf_family_inputs,
+    )
+
+    family = hf_family("llama")
+    inputs = hf_family_inputs(family, 8, 16, torch.Generator().manual_seed(0), False)
+    model = build_hf_family(family, "meta", **NO_DROPOUT)
+    with pytest.raises(PipelineError, match="set config.use_cache = False"):
+        split_stages(model, (), {k: v[:4] for k, v in inputs.items()}, 2)
+    model.config.use_cache = False
+    mesh = fake_mesh((2, 2), ("pp", "dp"))
+    with AutoParallel(model, lambda: inputs, mesh, hardware="cpu") as autop:
+        plan = autop.optimize_placement()
+    assert plan.pipeline.stages == (("model.layers.0",), ("model.layers.1",))
+    assert not plan.fallbacks

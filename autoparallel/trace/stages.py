@@ -131,8 +131,9 @@ def split_stages(
     except Exception as error:  # torch.export's own errors, long and deep
         raise PipelineError(
             f"torch.distributed.pipelining could not trace {type(model).__name__} to cut it "
-            f"into {num_stages} stages: {type(error).__name__}: {str(error).splitlines()[0]}"
+            f"into {num_stages} stages: {_first_lines(error)}"
             + _alias_hint(aliases)
+            + _cache_hint(error)
         ) from error
     if pipe.num_stages != num_stages:
         raise PipelineError(
@@ -143,6 +144,7 @@ def split_stages(
     for index, start in enumerate(starts):
         module = pipe.get_stage_module(index)
         _drop_device_checks(module)
+        _devices_from_inputs(module, device)
         _give_back(module, own)
         examples = _placeholder_examples(module, needs_grads=index > 0)
         stages.append(
@@ -234,6 +236,29 @@ def _path_of(model: nn.Module, module: nn.Module) -> str:
     return ""
 
 
+def _first_lines(error: BaseException) -> str:
+    """The error's first line, and its root cause's where that is another (torch.export
+    wraps the reason in "cannot capture your model as a full graph")."""
+    root = error
+    while (root.__cause__ or root.__context__) is not None:
+        root = root.__cause__ or root.__context__
+    said = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    if root is error:
+        return said
+    return f"{said} Cause: {type(root).__name__}: {(str(root).splitlines() or [''])[0]}"
+
+
+def _cache_hint(error: BaseException) -> str:
+    """Hugging Face models return their key/value cache unless told not to."""
+    seen = []
+    while error is not None and len(seen) < 16:
+        seen.append(str(error))
+        error = error.__cause__ or error.__context__
+    if not any("Cache" in text and "not a known type" in text for text in seen):
+        return ""
+    return " (a Hugging Face model returns its key/value cache: set config.use_cache = False)"
+
+
 def _alias_hint(aliases: list[tuple[str, str]]) -> str:
     if not aliases:
         return ""
@@ -271,13 +296,54 @@ def _drop_device_checks(stage: nn.Module) -> None:
         checks = [n for n in graph.nodes if n.op == "call_function" and n.target is check]
         for node in checks:
             graph.erase_node(node)
-        if not checks:
+        if checks:
+            _recompile(module)
+
+
+def _devices_from_inputs(stage: nn.Module, traced_on: torch.device) -> None:
+    """torch.export records the device a factory op or a ``.to()`` got while the model was
+    traced (``torch.arange(n, device=x.device)``, Hugging Face's cache positions and masks):
+    on a model cut on the meta device, meta, where the stage never runs. Each such device
+    becomes the device of the graph's first input, read when the graph runs. Graphs without
+    a tensor input keep theirs."""
+    if traced_on.type != "meta":
+        return
+    for module in stage.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
             continue
-        if isinstance(module, fx.GraphModule):
-            module.recompile()
-        generated = module.__dict__.get("graph_module")  # an unflattened InterpreterModule's
-        if isinstance(generated, fx.GraphModule):
-            generated.recompile()
+        uses = [n for n in graph.nodes if n.op == "call_function" and _names_meta(n)]
+        first_input = next((n for n in graph.nodes if n.op == "placeholder"), None)
+        if not uses or first_input is None:
+            continue
+        with graph.inserting_after(first_input):
+            device = graph.call_function(getattr, (first_input, "device"))
+        for node in uses:
+            node.args = _on(node.args, device)
+            node.kwargs = _on(node.kwargs, device)
+        _recompile(module)
+
+
+def _names_meta(node: fx.Node) -> bool:
+    values = (*node.args, *node.kwargs.values())
+    return any(isinstance(v, torch.device) and v.type == "meta" for v in values)
+
+
+def _on(values: Any, device: fx.Node) -> Any:
+    def swap(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+    if isinstance(values, dict):
+        return {key: swap(value) for key, value in values.items()}
+    return tuple(swap(value) for value in values)
+
+
+def _recompile(module: nn.Module) -> None:
+    if isinstance(module, fx.GraphModule):
+        module.recompile()
+    generated = module.__dict__.get("graph_module")  # an unflattened InterpreterModule's
+    if isinstance(generated, fx.GraphModule):
+        generated.recompile()
 
 
 def _zeros_like(value: Any, device: Any) -> Any:
