@@ -482,8 +482,8 @@ def test_a_stage_of_a_meta_model_is_initialized_by_the_models_own_init_weights()
 
 def test_a_hugging_face_causal_lm_is_cut_and_planned(fake_mesh):
     """LlamaForCausalLM as it comes, on meta: its stages compute their cache positions and
-    masks on the device they run on (export recorded meta), and a model returning its
-    key/value cache is refused with what to set."""
+    masks on the device they run on (export recorded meta), a model returning its key/value
+    cache is refused with what to set, and pipe.step takes the batch by name."""
     pytest.importorskip("transformers")
     from autoparallel.models.hf_families import (
         NO_DROPOUT,
@@ -501,5 +501,9 @@ def test_a_hugging_face_causal_lm_is_cut_and_planned(fake_mesh):
     mesh = fake_mesh((2, 2), ("pp", "dp"))
     with AutoParallel(model, lambda: inputs, mesh, hardware="cpu") as autop:
         plan = autop.optimize_placement()
+        pipe = autop.apply_placement(plan, loss_fn=lambda output, target: output[0].sum())
     assert plan.pipeline.stages == (("model.layers.0",), ("model.layers.1",))
     assert not plan.fallbacks
+    # the batch goes in by name as well (checked before anything runs)
+    with pytest.raises(PipelineError, match=r"planned with inputs \['input_ids'\]; unknown"):
+        pipe.step(input_ids=inputs["input_ids"], labels=inputs["input_ids"])

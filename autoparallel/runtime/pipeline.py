@@ -122,18 +122,36 @@ class ParallelPipeline:
         *inputs: Any,
         target: torch.Tensor | None = None,
         losses: list[torch.Tensor] | None = None,
+        **named_inputs: Any,
     ) -> Any:
         """One forward and backward of this rank's local batch, cut into the plan's
         microbatches (gradients accumulate in ``.grad``; step the optimizer after). Returns
         the last stage's output (None on the others); ``losses`` receives the last stage's
-        loss per microbatch."""
+        loss per microbatch. The model's inputs go positionally or by the names of its
+        forward's parameters (``pipe.step(**batch)`` for a Hugging Face batch)."""
         if self.is_last and target is None:
             raise PipelineError("the last stage computes the loss: pass step(..., target=...)")
+        if self.is_first and named_inputs:
+            inputs = self._in_order(inputs, named_inputs)
         return self.schedule.step(
             *(inputs if self.is_first else ()),
             target=target if self.is_last else None,
             losses=losses if self.is_last else None,
         )
+
+    def _in_order(self, inputs: tuple[Any, ...], named: dict[str, Any]) -> tuple[Any, ...]:
+        """``inputs`` then ``named`` in the order of the first stage's inputs (the model's
+        inputs as it was traced: its positional arguments, then its keyword ones)."""
+        names = [n.name for n in self.module.graph.nodes if n.op == "placeholder"]
+        rest = names[len(inputs) :]
+        unknown = sorted(set(named) - set(rest))
+        missing = [name for name in rest if name not in named]
+        if unknown or missing:
+            raise PipelineError(
+                f"pipe.step inputs: the model was planned with inputs {names}; "
+                + (f"unknown: {unknown}" if unknown else f"missing: {missing}")
+            )
+        return (*inputs, *(named[name] for name in rest))
 
     def __repr__(self) -> str:
         return f"ParallelPipeline({self.pipeline.describe()}; this rank: stage {self.pipeline.stage_index})"
