@@ -148,13 +148,12 @@ def _prepare(
     torch.manual_seed(0)
     flat = init_device_mesh("cpu", (world_size,))
     mesh = flat if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=DP_TP)
+    on_all_ranks = mesh_shape is None or variant in ("fsdp2", "ddp")  # rows split 1-D
     row_splits, row = (
-        (world_size, rank) if mesh_shape is None else (mesh_shape[0], mesh.get_local_rank("dp"))
+        (world_size, rank) if on_all_ranks else (mesh_shape[0], mesh.get_local_rank("dp"))
     )
     extra: dict = {}
     workload = WORKLOADS[model_name]
-    if variant in ("fsdp2", "ddp"):
-        row_splits, row = world_size, rank
     if variant == "fsdp2":
         model = build_torch_fsdp2(workload, flat)
     elif variant == "ddp":

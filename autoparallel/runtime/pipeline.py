@@ -59,6 +59,8 @@ class ParallelPipeline:
             )
         self.module = module
         self.whole_model = whole_model
+        # the first stage's inputs as traced (positional, then keyword): step(**named) order
+        self.input_names = [n.name for n in module.graph.nodes if n.op == "placeholder"]
         self.pipeline = pipeline
         device = torch.device(pp_mesh.device_type)
         self.stage = PipelineStage(
@@ -142,7 +144,7 @@ class ParallelPipeline:
     def _in_order(self, inputs: tuple[Any, ...], named: dict[str, Any]) -> tuple[Any, ...]:
         """``inputs`` then ``named`` in the order of the first stage's inputs (the model's
         inputs as it was traced: its positional arguments, then its keyword ones)."""
-        names = [n.name for n in self.module.graph.nodes if n.op == "placeholder"]
+        names = self.input_names
         rest = names[len(inputs) :]
         unknown = sorted(set(named) - set(rest))
         missing = [name for name in rest if name not in named]

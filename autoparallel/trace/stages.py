@@ -207,7 +207,7 @@ def _aliases_unregistered(model: nn.Module) -> Iterator[list[tuple[str, str]]]:
     to trace, and the error names the pair (yielded: (kept name, removed name)). Every
     registration is put back after."""
     first: dict[int, str] = {}
-    removed: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    removed: list[tuple[nn.Module, str, str, str]] = []  # owner, kind, leaf, the alias
     named = (
         *(("_parameters", n, t) for n, t in model.named_parameters(remove_duplicate=False)),
         *(("_buffers", n, t) for n, t in model.named_buffers(remove_duplicate=False)),
@@ -218,43 +218,38 @@ def _aliases_unregistered(model: nn.Module) -> Iterator[list[tuple[str, str]]]:
             continue
         owner_path, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_path) if owner_path else model
-        removed.append((owner, kind, leaf, getattr(owner, kind).pop(leaf)))
-    pairs = [
-        (first[id(tensor)], f"{_path_of(model, owner)}{leaf}") for owner, _, leaf, tensor in removed
-    ]
+        removed.append((owner, kind, leaf, name))
+    taken = [getattr(owner, kind).pop(leaf) for owner, kind, leaf, _ in removed]
     try:
-        yield pairs
+        yield [(first[id(tensor)], alias) for tensor, (*_, alias) in zip(taken, removed)]
     finally:
-        for owner, kind, leaf, tensor in reversed(removed):
+        for (owner, kind, leaf, _), tensor in reversed(list(zip(removed, taken))):
             getattr(owner, kind)[leaf] = tensor
 
 
-def _path_of(model: nn.Module, module: nn.Module) -> str:
-    for path, candidate in model.named_modules(remove_duplicate=False):
-        if candidate is module:
-            return f"{path}." if path else ""
-    return ""
+def _causes(error: BaseException, limit: int = 16) -> list[BaseException]:
+    """``error`` and the exceptions it was raised from or during, outermost first."""
+    chain = [error]
+    while len(chain) < limit and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    return chain
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
 def _first_lines(error: BaseException) -> str:
     """The error's first line, and its root cause's where that is another (torch.export
     wraps the reason in "cannot capture your model as a full graph")."""
-    root = error
-    while (root.__cause__ or root.__context__) is not None:
-        root = root.__cause__ or root.__context__
-    said = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
-    if root is error:
-        return said
-    return f"{said} Cause: {type(root).__name__}: {(str(root).splitlines() or [''])[0]}"
+    root = _causes(error)[-1]
+    said = _first_line(error)
+    return said if root is error else f"{said} Cause: {_first_line(root)}"
 
 
 def _cache_hint(error: BaseException) -> str:
     """Hugging Face models return their key/value cache unless told not to."""
-    seen = []
-    while error is not None and len(seen) < 16:
-        seen.append(str(error))
-        error = error.__cause__ or error.__context__
-    if not any("Cache" in text and "not a known type" in text for text in seen):
+    if not any("Cache" in str(e) and "not a known type" in str(e) for e in _causes(error)):
         return ""
     return " (a Hugging Face model returns its key/value cache: set config.use_cache = False)"
 
@@ -324,18 +319,18 @@ def _devices_from_inputs(stage: nn.Module, traced_on: torch.device) -> None:
         _recompile(module)
 
 
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, torch.device) and value.type == "meta"
+
+
 def _names_meta(node: fx.Node) -> bool:
-    values = (*node.args, *node.kwargs.values())
-    return any(isinstance(v, torch.device) and v.type == "meta" for v in values)
+    return any(_is_meta(value) for value in (*node.args, *node.kwargs.values()))
 
 
 def _on(values: Any, device: fx.Node) -> Any:
-    def swap(value: Any) -> Any:
-        return device if isinstance(value, torch.device) and value.type == "meta" else value
-
     if isinstance(values, dict):
-        return {key: swap(value) for key, value in values.items()}
-    return tuple(swap(value) for value in values)
+        return {key: device if _is_meta(value) else value for key, value in values.items()}
+    return tuple(device if _is_meta(value) else value for value in values)
 
 
 def _recompile(module: nn.Module) -> None:
