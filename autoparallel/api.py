@@ -43,7 +43,7 @@ from autoparallel.trace.export import trace_device, trace_joint
 from autoparallel.trace.mixed_precision import check_policy
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.kinds import ActivationCheckpointing
-from autoparallel.types.pipeline import PipelineConfig
+from autoparallel.types.pipeline import PipelineConfig, PipelineError, PipelinePlan
 from autoparallel.types.placements import check_shard_dims, validate_placements
 from autoparallel.types.plan import Plan
 
@@ -150,6 +150,7 @@ class AutoParallel(PipelinePlanning):
         self._cut: StageCut | None = None
         self._stage_index: int | None = None
         self.stage_setup: StageSetup | None = None
+        self._local_stages = ()
         # the user's constraint calls since __enter__, replayed on another setting's stage
         self._calls = []
         self._entered_constraints: set[str] = set()
@@ -379,11 +380,26 @@ class AutoParallel(PipelinePlanning):
         it where it can be known (see runtime/faults.py). Collective on a real mesh: every
         rank calls it.
         """
-        optimizer = self.sharding_optimizer
-        plan = plan or optimizer.get_solution()
-        problem = optimizer.problem
+        plan = plan or self.sharding_optimizer.get_solution()
         start = time.perf_counter()
-        module = apply_placement(
+        module = self._parallel_module(plan, collective_timeout)
+        if self.stage_setup is None:
+            self.stage_times_s["apply"] = time.perf_counter() - start
+            return module
+        pipeline = plan.pipeline or self.stage_setup.pipeline_plan()
+        modules = [module] + [
+            other._parallel_module(stage_plan, collective_timeout)
+            for other, stage_plan in self._rank_stages(pipeline)
+        ]
+        self.stage_times_s["apply"] = time.perf_counter() - start
+        whole_model = self._whole[0]
+        return ParallelPipeline(modules, pipeline, self.stage_setup.pp_mesh, loss_fn, whole_model)
+
+    def _parallel_module(
+        self, plan: Plan, collective_timeout: float | timedelta | None
+    ) -> nn.Module:
+        problem = self.sharding_optimizer.problem
+        return apply_placement(
             self.model,
             problem.joint,
             problem.space,
@@ -393,12 +409,18 @@ class AutoParallel(PipelinePlanning):
             mp_policy=self.mp_policy,
             collective_timeout=collective_timeout,
         )
-        self.stage_times_s["apply"] = time.perf_counter() - start
-        if self.stage_setup is None:
-            return module
-        pipeline = plan.pipeline or self.stage_setup.pipeline_plan()
-        whole_model = self._whole[0]
-        return ParallelPipeline(module, pipeline, self.stage_setup.pp_mesh, loss_fn, whole_model)
+
+    def _rank_stages(self, pipeline: PipelinePlan) -> tuple[tuple[AutoParallel, Plan], ...]:
+        """This rank's other stages' planners and plans (several stages per rank)."""
+        wanted = len(pipeline.rank_stages) - 1
+        held = [(other, plan) for other, plan in self._local_stages if other is not None]
+        if len(held) != wanted:
+            raise PipelineError(
+                f"this rank runs {len(pipeline.rank_stages)} stages "
+                f"({', '.join(map(str, pipeline.rank_stages))}) but {len(held) + 1} were "
+                "planned: apply the plan optimize_placement returned on this object"
+            )
+        return tuple(held)
 
     def _add_boundary_constraints(self, constraints: Sequence, nodes: list, what: str) -> list[str]:
         if not isinstance(constraints, (list, tuple)):

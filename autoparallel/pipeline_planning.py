@@ -10,13 +10,16 @@ With a "pp" mesh dim, ``AutoParallel`` (api.py) takes this class's methods:
     optimize_placement: _plan_pipeline
         for each setting of ``pipeline_settings`` (one where the user fixed microbatches):
             plan this rank's stage under it (cut and traced again, the user's recorded
-            constraint calls replayed)
+            constraint calls replayed), and its other stages where it runs several
             -> every stage's price: exchanged over the pp group, or on a fake mesh (no peer
                plans the other stages) planned here, stages that plan alike once
         -> the fastest setting within the memory budget (cost/pipeline.py's choose_option)
+        -> two stages per rank (_interleaved): the kept microbatches under interleaved
+           1F1B, planned and priced the same way, kept if faster
         -> the cuts (_even_out): the layers moved to even out its stages' prices
            (balanced_layers), that split planned and priced the same way, kept if faster
-        -> this object left holding the kept setting's stage, problem and plan
+        -> this object left holding the kept setting's stage, problem and plan (and its
+           other stages' objects and plans, ``_local_stages``)
 
 Ordering contract: the stage's graph depends on the setting (its microbatch's shapes), so a
 setting other than the first is planned by entering again; the user's constraints were
@@ -55,6 +58,7 @@ from autoparallel.stage_setup import (
     stage_price,
 )
 from autoparallel.types.pipeline import (
+    INTERLEAVED,
     PipelineConfig,
     PipelineError,
     PipelineOption,
@@ -65,6 +69,9 @@ from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
 
+INTERLEAVED_STAGES_PER_RANK = 2
+"""The stages per rank the planner prices under interleaved 1F1B beside one (more halve the
+bubble again but add as many sends and cuts to plan)."""
 CUT_ROUNDS = 3
 """New layer splits the planner prices after the even one (each one a cut and a plan)."""
 CUT_MIN_GAIN = 0.02
@@ -81,6 +88,11 @@ class _ConstraintCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     names: tuple[str, ...]
+
+
+def _cut_by(setting: PipelineConfig) -> tuple[Any, ...]:
+    """What of a setting decides the cut (all but the schedule)."""
+    return (setting.microbatches, setting.stage_layers, setting.stages_per_rank or 1)
 
 
 def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -108,6 +120,9 @@ class PipelinePlanning:
     _stage_index: int | None
     stage_setup: StageSetup | None
     pipeline_config: PipelineConfig | None
+    # with several stages per rank: this rank's other stages, each planned on an object of
+    # its own, with its plan (apply_placement builds their modules beside this one's)
+    _local_stages: tuple[tuple[Any, Plan], ...]
     _whole_topology: Topology
     _calls: list[_ConstraintCall]
 
@@ -160,13 +175,15 @@ class PipelinePlanning:
         schedule: ScheduleName | None = None,
         microbatches: int | None = None,
         stage_layers: tuple[int, ...] | None = None,
+        stages_per_rank: int | None = None,
     ) -> str:
-        """With a "pp" mesh dim: fix the schedule ("gpipe" or "1f1b"), the microbatches per
-        step, and/or how many layers of the layer stack each stage runs (see
-        :class:`PipelineConfig`). Call it before any other constraint: the stages are cut
-        and traced again. Raises PipelineError for a mesh without "pp", a setting that cannot
-        run (more stages than layers, microbatches that do not divide the local batch), or
-        constraints already added."""
+        """With a "pp" mesh dim: fix the schedule ("gpipe", "1f1b" or "interleaved-1f1b"),
+        the microbatches per step, how many layers of the layer stack each stage runs,
+        and/or how many stages each pp rank runs (see :class:`PipelineConfig`). Call it
+        before any other constraint: the stages are cut and traced again. Raises
+        PipelineError for a mesh without "pp", a setting that cannot run (more stages than
+        layers, microbatches that do not divide the local batch, several stages per rank
+        without the interleaved schedule), or constraints already added."""
         if self.pipeline_config is None:
             raise PipelineError(
                 "add_pipeline_constraint needs a mesh whose first dim is named 'pp'"
@@ -182,13 +199,12 @@ class PipelinePlanning:
             schedule if schedule is not None else current.schedule,
             microbatches if microbatches is not None else current.microbatches,
             tuple(stage_layers) if stage_layers is not None else current.stage_layers,
+            stages_per_rank if stages_per_rank is not None else current.stages_per_rank,
         )
         _, input_fn, mesh, *_ = self._whole
         inputs = input_fn()
         self._setting = pipeline_settings(inputs, mesh, self.pipeline_config)[0]
-        if self._cut.config == dataclasses.replace(
-            self._setting, schedule=self._cut.config.schedule
-        ):
+        if _cut_by(self._cut.config) == _cut_by(self._setting):
             # the schedule alone: the stage and its problem stay as they are
             check_setting(self._setting, inputs, mesh)
             self._cut = dataclasses.replace(self._cut, config=self._setting)
@@ -214,6 +230,8 @@ class PipelinePlanning:
         options = [self._option(state, prices) for state, _, prices in tried]
         budget = self.sharding_optimizer.problem.memory_budget
         best = choose_option(options, budget)
+        if best >= 0 and replayable and self._interleaving_open():
+            best = self._interleaved(tried, options, calls, verbose, errors, budget, best)
         if best >= 0 and replayable and self.pipeline_config.stage_layers is None:
             best = self._even_out(tried, options, calls, verbose, errors, budget, best)
         if best < 0:
@@ -226,7 +244,12 @@ class PipelinePlanning:
                 "; ".join(o.describe() for o in options),
                 options[best].describe(),
             )
-        cost, memory = price_stages(self._setting.schedule, self._setting.microbatches, prices)
+        cost, memory = price_stages(
+            self._setting.schedule,
+            self._setting.microbatches,
+            prices,
+            self._setting.stages_per_rank or 1,
+        )
         plan.pipeline = dataclasses.replace(
             self.stage_setup.pipeline_plan(),
             cost=cost,
@@ -234,6 +257,46 @@ class PipelinePlanning:
             options=tuple(options),
         )
         return plan
+
+    def _interleaving_open(self) -> bool:
+        """Whether the user left the stages per rank to the planner."""
+        config = self.pipeline_config
+        return (
+            config.schedule is None
+            and config.stages_per_rank is None
+            and (config.stage_layers is None)
+        )
+
+    def _interleaved(
+        self,
+        tried: list[tuple[dict[str, Any], Plan | None, list[StagePrice | None]]],
+        options: list[PipelineOption],
+        calls: list[_ConstraintCall],
+        verbose: bool,
+        errors: list[InfeasibleConstraintsError],
+        budget: float | None,
+        best: int,
+    ) -> int:
+        """The kept setting's microbatches with two stages per rank under interleaved 1F1B,
+        planned and priced where the layer stack has a layer for each stage and the
+        microbatches come in whole rounds; appends to ``tried`` and ``options``, returns
+        the index kept."""
+        _, input_fn, mesh, *_ = self._whole
+        kept = tried[best][0]["_setting"]
+        setting = dataclasses.replace(
+            kept, schedule=INTERLEAVED, stages_per_rank=INTERLEAVED_STAGES_PER_RANK
+        )
+        layers = sum(len(stage.layers) for stage in tried[best][0]["_cut"].stages)
+        if layers < mesh.shape[0] * INTERLEAVED_STAGES_PER_RANK:
+            return best
+        try:
+            check_setting(setting, input_fn(), mesh)
+        except PipelineError:
+            return best
+        state, plan, prices = self._priced(setting, calls, verbose, errors)
+        tried.append((state, plan, prices))
+        options.append(self._option(state, prices))
+        return choose_option(options, budget)
 
     def _even_out(
         self,
@@ -272,10 +335,12 @@ class PipelinePlanning:
         verbose: bool,
         errors: list[InfeasibleConstraintsError],
     ) -> tuple[dict[str, Any], Plan | None, list[StagePrice | None]]:
-        """Plan this rank's stage under ``setting`` (entering again for another than the
-        current, ``calls`` replayed) and price every stage; leaves this object in that
-        state and returns it (``_state``), the plan and the prices. Collective over the pp
-        group on a real mesh: every rank prices the same settings in the same order."""
+        """Plan this rank's stages under ``setting`` (its first on this object, entering
+        again for another than the current setting, ``calls`` replayed; its others, with
+        more than one stage per rank, on objects of their own kept in ``_local_stages``)
+        and price every stage; leaves this object in that state and returns it
+        (``_state``), the plan and the prices. Collective over the pp group on a real mesh:
+        every rank prices the same settings in the same order."""
         plan, mine = None, None
         try:
             if setting != self._setting:
@@ -288,49 +353,71 @@ class PipelinePlanning:
             )
         except InfeasibleConstraintsError as error:
             errors.append(error)
-        prices = exchanged_prices(mine, self.stage_setup)
+        others = self.stage_setup.rank_stages[1:]
+        local = [self._stage_planned_here(i, calls) for i in others] if mine else []
+        self._local_stages = tuple((other, p) for _, other, p in local)
+        rank_prices = [mine, *(price for price, _, _ in local)] if local else [mine]
+        rank_prices += [None] * (1 + len(others) - len(rank_prices))
+        prices = exchanged_prices(rank_prices, self.stage_setup)
         if prices is None:
-            prices = self._stages_planned_here(mine, calls)
+            prices = self._stages_planned_here(mine, calls, dict(zip(others, local)))
         return self._state(), plan, prices
 
     def _option(self, state: dict[str, Any], prices: list[StagePrice | None]) -> PipelineOption:
         """A priced setting (``state``: what ``_priced`` left, its cut's layers per stage)."""
         setting = state["_setting"]
         layers = tuple(len(stage.layers) for stage in state["_cut"].stages)
+        per_rank = setting.stages_per_rank or 1
         if any(p is None for p in prices):
-            return PipelineOption(setting.schedule, setting.microbatches, None, None, layers)
-        cost, memory = price_stages(setting.schedule, setting.microbatches, prices)
+            return PipelineOption(
+                setting.schedule, setting.microbatches, None, None, layers, per_rank
+            )
+        cost, memory = price_stages(setting.schedule, setting.microbatches, prices, per_rank)
         peaks = [m.peak for m in memory if m is not None]
         peak = max(peaks) if peaks else None
-        return PipelineOption(setting.schedule, setting.microbatches, cost.step_us, peak, layers)
+        return PipelineOption(
+            setting.schedule, setting.microbatches, cost.step_us, peak, layers, per_rank
+        )
 
     def _stages_planned_here(
-        self, mine: StagePrice | None, calls: list[_ConstraintCall]
+        self,
+        mine: StagePrice | None,
+        calls: list[_ConstraintCall],
+        local: dict[int, tuple[StagePrice | None, Any, Plan | None]],
     ) -> list[StagePrice | None]:
-        """Every stage's price where no peer plans the others (a fake mesh). Stages that plan
-        alike (stage_setup.py's ``same_stage_graph``) are planned once, by this process's
-        own stage where it is one of them, else by the first: the one with the most
-        microbatches in flight, so its plan fits the others' memory too (where a budget would let them choose faster plans, theirs is priced as
-        its: an overestimate); each one's memory is its plan's with its own in flight."""
+        """Every stage's price where no peer plans the others (a fake mesh); ``local``: this
+        rank's other stages, planned already. Stages that plan alike (stage_setup.py's
+        ``same_stage_graph``) are planned once, by this process's own stage where it is one
+        of them, else by the first: the one with the most microbatches in flight, so its
+        plan fits the others' memory too (where a budget would let them choose faster plans,
+        theirs is priced as its: an overestimate); each one's memory is its plan's with its
+        own in flight."""
         if mine is None:
             return [None] * len(self._cut.stages)
         own = self.stage_setup.stage.index
-        planned: dict[int, tuple[StagePrice | None, ShardingOptimizer | None]] = {
-            own: (mine, self.sharding_optimizer)
+        planned: dict[int, tuple[StagePrice | None, Any, Plan | None]] = {
+            own: (mine, self, None),
+            **local,
         }
+        setting, stages = self._setting, len(self._cut.stages)
         prices: list[StagePrice | None] = []
-        for index in range(len(self._cut.stages)):
+        for index in range(stages):
             twin = next(
-                (j for j in [own, *range(index)] if same_stage_graph(self._cut, j, index)),
+                (j for j in [*planned, *range(index)] if same_stage_graph(self._cut, j, index)),
                 index,
             )
             if twin not in planned:
                 planned[twin] = self._stage_planned_here(twin, calls)
-            price, optimizer = planned[twin]
+            price, other, _ = planned[twin]
             if twin != index and price is not None:
-                setting, stages = self._setting, len(self._cut.stages)
-                held = microbatches_in_flight(setting.schedule, index, stages, setting.microbatches)
-                memory = optimizer.memory_in_flight(held)
+                held = microbatches_in_flight(
+                    setting.schedule,
+                    index,
+                    stages,
+                    setting.microbatches,
+                    setting.stages_per_rank or 1,
+                )
+                memory = other.sharding_optimizer.memory_in_flight(held)
                 if memory is not None:
                     price = dataclasses.replace(
                         price, peak_bytes=memory.peak, activation_bytes=memory.activations
@@ -340,7 +427,9 @@ class PipelinePlanning:
 
     def _stage_planned_here(
         self, index: int, calls: list[_ConstraintCall]
-    ) -> tuple[StagePrice | None, ShardingOptimizer | None]:
+    ) -> tuple[StagePrice | None, Any, Plan | None]:
+        """Stage ``index`` planned on an object of its own (its price, the object, its
+        plan; None, None, None where no plan is within the constraints)."""
         model, input_fn, mesh, *_ = self._whole
         other = type(self)(model, input_fn, mesh, self.mp_policy, **self._planner_options)
         other.pipeline_config = self.pipeline_config
@@ -350,11 +439,11 @@ class PipelinePlanning:
                 other._replay(calls)
                 plan = other._solve(verbose=False)
         except InfeasibleConstraintsError:
-            return None, None
+            return None, None, None
         price = stage_price(
             other.stage_setup, plan, other.joint, other._outputs(), self._whole_topology
         )
-        return price, other.sharding_optimizer
+        return price, other, plan
 
     def _outputs(self) -> list[Any]:
         return [None if o is None else o.meta["val"] for o in self.joint.user_outputs]
@@ -362,7 +451,7 @@ class PipelinePlanning:
     def _state(self) -> dict[str, Any]:
         """What planning one pipeline setting changes on this object."""
         names = ("model", "input_fn", "mesh", "topology", "stage_setup", "joint", "_optimizer")
-        names += ("_entered_constraints", "_calls", "_cut", "_setting")
+        names += ("_entered_constraints", "_calls", "_cut", "_setting", "_local_stages")
         return {name: getattr(self, name) for name in names}
 
     def _replay(self, calls: list[_ConstraintCall]) -> None:

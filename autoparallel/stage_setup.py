@@ -38,10 +38,12 @@ from autoparallel.graph.layers import forward_layers
 from autoparallel.trace.stages import StageModule, split_stages
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.pipeline import (
+    INTERLEAVED,
     PIPELINE_DIM,
     PipelineConfig,
     PipelineError,
     PipelinePlan,
+    ScheduleName,
     StagePrice,
 )
 from autoparallel.types.plan import Plan
@@ -62,11 +64,24 @@ class StageSetup:
         return self.config.microbatches
 
     @property
+    def stages_per_rank(self) -> int:
+        return self.config.stages_per_rank or 1
+
+    @property
     def in_flight(self) -> int:
         """Microbatches whose activations this stage holds at once under the schedule."""
         return microbatches_in_flight(
-            self.config.schedule, self.stage.index, len(self.stages), self.microbatches
+            self.config.schedule,
+            self.stage.index,
+            len(self.stages),
+            self.microbatches,
+            self.stages_per_rank,
         )
+
+    @property
+    def rank_stages(self) -> tuple[int, ...]:
+        """The stages of this stage's pp rank, in order (this one among them)."""
+        return self.pipeline_plan().rank_stages
 
     @property
     def is_first(self) -> bool:
@@ -88,7 +103,13 @@ class StageSetup:
 
     def pipeline_plan(self) -> PipelinePlan:
         """The pipeline this stage runs in, not priced yet."""
-        return PipelinePlan(self.config.schedule, self.microbatches, self.stages, self.stage.index)
+        return PipelinePlan(
+            self.config.schedule,
+            self.microbatches,
+            self.stages,
+            self.stage.index,
+            stages_per_rank=self.stages_per_rank,
+        )
 
     def input_fn(self) -> tuple[torch.Tensor, ...]:
         return self.stage.example_inputs
@@ -128,7 +149,8 @@ class StageCut:
     config: PipelineConfig
 
     def take(self, mesh: DeviceMesh, index: int | None = None) -> StageSetup:
-        """Stage ``index`` (default: this rank's coordinate on ``mesh``'s pp dim)."""
+        """Stage ``index`` (default: this rank's first, its coordinate on ``mesh``'s pp
+        dim)."""
         rest = mesh.mesh_dim_names[1:]
         return StageSetup(
             self.stages[mesh.get_local_rank(PIPELINE_DIM) if index is None else index],
@@ -145,32 +167,45 @@ def pipeline_settings(
     """The settings to plan, the user's fixed parts kept, the first the one planned first.
 
     Microbatches, where the user left them open: every count dividing the rows each rank of
-    the mesh's first dim after ``pp`` gets, from the number of stages up to four times it
+    the mesh's first dim after ``pp`` gets, from the number of pp ranks up to four times it
     (fewer leave a stage idle for longer than it works; the planner prices each); where the
-    batch has fewer rows than that, the largest count it has. Schedule: 1F1B where there are
-    at least as many microbatches as stages, else GPipe (torch's 1F1B needs as many): 1F1B
-    holds fewer microbatches' activations, and for stages of equal times both take the
-    same time (cost/pipeline.py); GPipe is not priced beside it."""
-    num_stages, rows_over = mesh.shape[0], mesh.shape[1]
+    batch has fewer rows than that, the largest count it has. Schedule: interleaved 1F1B
+    with more than one stage per rank; else 1F1B where there are at least as many
+    microbatches as stages, else GPipe (torch's 1F1B needs as many): 1F1B holds fewer
+    microbatches' activations, and for stages of equal times both take the same time
+    (cost/pipeline.py); GPipe is not priced beside it. (Two stages per rank are priced by
+    the planner after these: pipeline_planning.py.)"""
+    ranks, rows_over = mesh.shape[0], mesh.shape[1]
     batch = _batch_rows(*_as_args(global_inputs))
     if config.microbatches is not None:
         counts = [config.microbatches]
     else:
         local = batch // rows_over if batch % rows_over == 0 else batch
         divisors = [m for m in range(1, local + 1) if local % m == 0]
-        counts = [m for m in divisors if num_stages <= m <= 4 * num_stages]
-        counts = counts or [max(m for m in divisors if m < num_stages)]
+        counts = [m for m in divisors if ranks <= m <= 4 * ranks]
+        counts = counts or [max(m for m in divisors if m < ranks)]
+    per_rank = config.stages_per_rank or (2 if config.schedule == INTERLEAVED else 1)
     return tuple(
         PipelineConfig(
-            config.schedule or ("1f1b" if m >= num_stages else "gpipe"), m, config.stage_layers
+            config.schedule or _default_schedule(m, ranks, per_rank),
+            m,
+            config.stage_layers,
+            per_rank,
         )
         for m in counts
     )
 
 
+def _default_schedule(microbatches: int, ranks: int, stages_per_rank: int) -> ScheduleName:
+    if stages_per_rank > 1:
+        return INTERLEAVED
+    return "1f1b" if microbatches >= ranks else "gpipe"
+
+
 def check_setting(config: PipelineConfig, global_inputs: Any, mesh: DeviceMesh) -> None:
     """Raise PipelineError for a setting that cannot run: 1F1B with fewer microbatches than
-    stages (torch's schedule refuses it), microbatches that do not divide each rank's rows."""
+    stages (torch's schedule refuses it), interleaved 1F1B with microbatches that do not
+    come in whole rounds, microbatches that do not divide each rank's rows."""
     num_stages, rows_over = mesh.shape[0], mesh.shape[1]
     batch = _batch_rows(*_as_args(global_inputs))
     microbatches = config.microbatches
@@ -178,6 +213,13 @@ def check_setting(config: PipelineConfig, global_inputs: Any, mesh: DeviceMesh) 
         raise PipelineError(
             f"1F1B needs at least as many microbatches as stages ({num_stages}), got "
             f"{microbatches}: give microbatches >= {num_stages}, or schedule='gpipe'"
+        )
+    rounds = max(1, microbatches // num_stages)
+    if config.schedule == INTERLEAVED and microbatches % rounds:
+        raise PipelineError(
+            f"interleaved 1F1B runs the microbatches in rounds of {num_stages} (the pp "
+            f"ranks): {microbatches} microbatches make {rounds} rounds that do not divide "
+            f"them; give a multiple of {num_stages}"
         )
     if batch % (microbatches * rows_over):
         raise PipelineError(
@@ -206,7 +248,7 @@ def cut_model(
         model,
         tuple(_rows(a, piece) for a in args),
         {k: _rows(v, piece) for k, v in kwargs.items()},
-        mesh.shape[0],
+        mesh.shape[0] * (config.stages_per_rank or 1),
         config.stage_layers,
         compute_dtype,
     )
@@ -285,17 +327,21 @@ def _forward_share(plan: Plan) -> float:
     return by_phase["forward"] / total if total > 0 else 0.0
 
 
-def exchanged_prices(mine: StagePrice | None, setup: StageSetup) -> list[StagePrice | None] | None:
-    """Every stage's price, in stage order, from every rank of this rank's pipeline (None
-    for a stage without a plan within the constraints); collective over the pp group. None
-    where the mesh is fake: no peer plans the other stages, the caller plans them itself."""
+def exchanged_prices(
+    mine: list[StagePrice | None], setup: StageSetup
+) -> list[StagePrice | None] | None:
+    """Every stage's price, in stage order, from every rank of this rank's pipeline (``mine``:
+    this rank's stages' prices, in order; None for a stage without a plan within the
+    constraints); collective over the pp group. None where the mesh is fake: no peer plans
+    the other stages, the caller plans them itself."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return None
-    everyone: list[Any] = [None] * setup.pp_mesh.size()
+    ranks = setup.pp_mesh.size()
+    everyone: list[Any] = [None] * ranks
     dist.all_gather_object(everyone, mine, group=setup.pp_mesh.get_group())
-    return everyone
+    return [everyone[s % ranks][s // ranks] for s in range(len(setup.stages))]
 
 
 def same_stage_graph(cut: StageCut, first: int, second: int) -> bool:

@@ -65,27 +65,47 @@ def test_pipelined_training_equals_one_device(ranks, tmp_path):
     assert "Shard(dim=0)" in last[0]["input_placements"][0]
 
 
-def test_a_mesh_of_pp_alone_trains_equal_to_one_device_under_gpipe(ranks, tmp_path):
-    """Two ranks, one stage each, nothing else split: GPipe over 2 microbatches, each stage
-    loading its entries of the one-device model's state dict."""
-    expected = reference()
-    results = ranks(2).run(train_pipelined, "gpipe", 2, str(tmp_path), False, True, timeout_s=600)
-    assert [r["stage"] for r in results] == [0, 1]
-    one_device = _initial_values()
-    assert all(
-        torch.equal(value, one_device[name])
-        for result in results
-        for name, value in result["initial"].items()
+def test_a_mesh_of_pp_alone_trains_equal_to_one_device_with_two_stages_per_rank(ranks, tmp_path):
+    """Two ranks, nothing else split, a 4-layer LLaMA cut into 4 stages, two per rank under
+    interleaved 1F1B over 2 microbatches, each rank loading its stages' entries of the
+    one-device model's state dict: the losses and parameters equal one device's, and the
+    order our pricing plays out is torch's schedule's own."""
+    from autoparallel.cost.pipeline import rank_order
+
+    layers = 4
+    expected = reference(n_layers=layers)
+    results = ranks(2).run(
+        train_pipelined,
+        "interleaved-1f1b",
+        2,
+        str(tmp_path),
+        False,
+        True,
+        False,
+        layers,
+        2,
+        timeout_s=600,
     )
+    assert [r["rank_stages"] for r in results] == [(0, 2), (1, 3)]
+    assert results[0]["stages"] == tuple((f"layers.{i}",) for i in range(layers))
+    one_device = _initial_values(layers)
+    for result in results:
+        assert result["initial"] and all(
+            torch.equal(value, one_device[name]) for name, value in result["initial"].items()
+        )
     assert results[1]["losses"] == pytest.approx(expected["losses"], abs=TOLERANCE)
+    first, second = (set(r["params"]) for r in results)
+    assert first | second == set(expected["params"]) and not first & second
     for result in results:
         assert result["reloaded_equal"]
         for name, value in result["params"].items():
             assert torch.allclose(value, expected["params"][name], atol=TOLERANCE), name
+        for rank, order in result["order"].items():
+            assert order == rank_order("interleaved-1f1b", rank, 2, 2, 2)
 
 
-def _initial_values() -> dict[str, torch.Tensor]:
-    return {name: p.detach() for name, p in initialized_model().named_parameters()}
+def _initial_values(n_layers: int = CONFIG.n_layers) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in initialized_model(n_layers).named_parameters()}
 
 
 def test_stages_are_cut_at_the_layer_stack_and_the_model_is_left_as_it_was():
@@ -264,22 +284,22 @@ def test_the_command_plans_a_pipeline_stage_and_says_so(tmp_path):
 
 
 def test_the_pipeline_step_plays_out_the_schedule():
-    from autoparallel.cost.pipeline import pass_order, pipeline_cost
+    from autoparallel.cost.pipeline import pipeline_cost, rank_order
 
     # 1F1B on stage 1 of 2 with 3 microbatches: one forward ahead, then B, F in turn
-    assert pass_order("1f1b", 1, 2, 3) == [
-        ("forward", 0),
-        ("backward", 0),
-        ("forward", 1),
-        ("backward", 1),
-        ("forward", 2),
-        ("backward", 2),
+    assert rank_order("1f1b", 1, 2, 1, 3) == [
+        (1, "forward", 0),
+        (1, "backward", 0),
+        (1, "forward", 1),
+        (1, "backward", 1),
+        (1, "forward", 2),
+        (1, "backward", 2),
     ]
-    assert pass_order("gpipe", 1, 2, 2) == [
-        ("forward", 0),
-        ("forward", 1),
-        ("backward", 0),
-        ("backward", 1),
+    assert rank_order("gpipe", 1, 2, 1, 2) == [
+        (1, "forward", 0),
+        (1, "forward", 1),
+        (1, "backward", 0),
+        (1, "backward", 1),
     ]
     # equal stages: (M + stages - 1) passes of f + b, under both schedules
     for schedule in ("gpipe", "1f1b"):
@@ -377,14 +397,14 @@ def test_the_layers_go_where_they_even_out_the_stages():
 def test_the_planner_moves_layers_off_a_stage_its_head_slows(fake_mesh):
     """A vocabulary of 16384 makes the last stage's head outweigh several layers: after the
     even split (3, 3) the planner prices the split its stages' prices call for, and keeps
-    it, being faster."""
+    it, being faster (one stage per rank: the schedule fixed)."""
     with torch.device("meta"):
         model = Llama(llama_config("tiny", n_layers=6, vocab_size=16384))
     tokens = torch.zeros(8, 32, dtype=torch.long)
     with AutoParallel(
         model, lambda: tokens, fake_mesh((2, 2), ("pp", "dp")), hardware="cpu"
     ) as autop:
-        autop.add_pipeline_constraint(microbatches=2)
+        autop.add_pipeline_constraint(schedule="1f1b", microbatches=2)
         plan = autop.optimize_placement()
     even, balanced = plan.pipeline.options
     assert even.stage_layers == (3, 3) and balanced.stage_layers[1] < 3

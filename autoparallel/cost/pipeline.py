@@ -3,7 +3,7 @@
 Each stage's plan prices one microbatch's forward and backward on the stage's own mesh
 (its ``totals`` less the optimizer step, which runs once per step), split into the forward's
 and the backward's part. The step is the schedule played out (``timeline``): each stage runs
-its passes in the order torch.distributed.pipelining's schedule gives it (GPipe: every
+its passes in the order torch.distributed.pipelining's schedule gives its rank (GPipe: every
 forward, then every backward; 1F1B: ``min(M, stages - i)`` forwards on stage ``i``, then a
 backward and a forward in turn, then the remaining backwards), each pass starting when the
 stage is free and its input is there (a forward after the stage before ran it, a backward
@@ -12,7 +12,10 @@ after the stage after ran its own). For stages of equal times ``f + b`` both sch
     step = (M + stages - 1) * (f + b) + the slowest stage's optimizer step
 
 and the bubble, the time the busiest stage waits, is the step (before the optimizer) less
-its ``M`` passes. 1F1B holds fewer microbatches' activations at once. Each cut costs a
+its ``M`` passes. 1F1B holds fewer microbatches' activations at once. Interleaved 1F1B runs
+``v`` stages per rank (``v * ranks`` stages of ``1 / v`` the layers each), which shrinks the
+bubble towards ``(ranks - 1) * (f + b) / v`` for the price of ``v`` times the sends and more
+activations in flight on the early ranks (``rank_order``). Each cut costs a
 point-to-point send of its tensors forward and of their gradients back per microbatch, on
 the ``pp`` dim's link, charged to the stage that sends.
 """
@@ -40,32 +43,72 @@ def transfer_us(nbytes: float, topology: Topology, mesh_dim: int = 0) -> float:
     return topology.latency_us(mesh_dim) + nbytes / topology.bandwidth(mesh_dim) * 1e6
 
 
-def microbatches_in_flight(
-    schedule: ScheduleName, stage_index: int, num_stages: int, microbatches: int
-) -> int:
-    """Microbatches whose activations stage ``stage_index`` holds at once: GPipe runs every
-    forward before any backward (all of them); 1F1B lets stage ``i`` run ``num_stages - i``
-    forwards before its first backward, then one forward per backward."""
-    if schedule == "gpipe":
-        return microbatches
-    return min(num_stages - stage_index, microbatches)
+Pass = tuple[int, PassKind, int]
+"""One forward or backward of one microbatch on one stage: (stage, kind, microbatch)."""
 
 
-def pass_order(
-    schedule: ScheduleName, stage_index: int, num_stages: int, microbatches: int
-) -> list[tuple[PassKind, int]]:
-    """The passes stage ``stage_index`` runs, in order (see the module docstring)."""
-    forwards = [("forward", m) for m in range(microbatches)]
-    backwards = [("backward", m) for m in range(microbatches)]
-    if schedule == "gpipe":
-        return forwards + backwards
-    warmup = microbatches_in_flight(schedule, stage_index, num_stages, microbatches)
-    order = forwards[:warmup]
-    for m in range(microbatches):
-        order.append(backwards[m])
-        if warmup + m < microbatches:
-            order.append(forwards[warmup + m])
+def rank_order(
+    schedule: ScheduleName, rank: int, ranks: int, stages_per_rank: int, microbatches: int
+) -> list[Pass]:
+    """The passes pipeline rank ``rank`` (of ``ranks``) runs, in order, as torch's schedule
+    orders them. GPipe: every forward, then every backward. 1F1B: ``min(M, ranks - rank)``
+    forwards, then a backward and a forward in turn, then the remaining backwards.
+    Interleaved 1F1B (``stages_per_rank`` = v stages per rank, stage ``rank + k * ranks``
+    the rank's k-th, torch's loop placement): the microbatches go in rounds of
+    ``M // max(1, M // ranks)``, each round through the rank's stages in turn; after a
+    warmup of ``(v - 1) * round + 2 * (ranks - 1 - rank)`` forwards (at most ``v * M``)
+    every forward is followed by a backward, the backwards visiting the rank's stages last
+    to first, then the remaining backwards."""
+    if schedule != "interleaved-1f1b":
+        forwards = [(rank, "forward", m) for m in range(microbatches)]
+        backwards = [(rank, "backward", m) for m in range(microbatches)]
+        if schedule == "gpipe":
+            return forwards + backwards
+        warmup = min(ranks - rank, microbatches)
+        order = forwards[:warmup]
+        for m in range(microbatches):
+            order.append(backwards[m])
+            if warmup + m < microbatches:
+                order.append(forwards[warmup + m])
+        return order
+    per_round = microbatches // max(1, microbatches // ranks)
+    passes = stages_per_rank * microbatches
+    warmup = min((stages_per_rank - 1) * per_round + 2 * (ranks - 1 - rank), passes)
+    done = {"forward": [0] * stages_per_rank, "backward": [0] * stages_per_rank}
+
+    def run(kind: PassKind, local: int) -> Pass:
+        microbatch = done[kind][local]
+        done[kind][local] += 1
+        return (local * ranks + rank, kind, microbatch)
+
+    order: list[Pass] = []
+    for step in range(passes + warmup):
+        if step < passes:
+            order.append(run("forward", step // per_round % stages_per_rank))
+        if step >= warmup:
+            back = stages_per_rank - 1 - (step - warmup) // per_round % stages_per_rank
+            order.append(run("backward", back))
     return order
+
+
+def microbatches_in_flight(
+    schedule: ScheduleName,
+    stage_index: int,
+    num_stages: int,
+    microbatches: int,
+    stages_per_rank: int = 1,
+) -> int:
+    """The most microbatches whose activations stage ``stage_index`` holds at once (forward
+    run, backward not yet) under the schedule's order (``rank_order``): all of them for
+    GPipe, ``min(M, stages - i)`` for 1F1B."""
+    ranks = num_stages // stages_per_rank
+    order = rank_order(schedule, stage_index % ranks, ranks, stages_per_rank, microbatches)
+    held = most = 0
+    for stage, kind, _ in order:
+        if stage == stage_index:
+            held += 1 if kind == "forward" else -1
+            most = max(most, held)
+    return most
 
 
 def timeline(
@@ -73,28 +116,43 @@ def timeline(
     forward_us: Sequence[float],
     backward_us: Sequence[float],
     microbatches: int,
+    stages_per_rank: int = 1,
 ) -> tuple[TimelineBlock, ...]:
-    """Every stage's passes in time: each starts when its stage is free and its input is
-    there (a forward once the stage before ran it, a backward once the stage after did)."""
+    """Every stage's passes in time, each rank running its own in ``rank_order``: a pass
+    starts when its rank is free and its input is there (a forward once the stage before ran
+    it, a backward once the stage after did; the last stage's once its own forward did)."""
     stages = len(forward_us)
-    orders = [pass_order(schedule, i, stages, microbatches) for i in range(stages)]
-    done: dict[tuple[int, PassKind, int], float] = {}
-    free, nxt = [0.0] * stages, [0] * stages
+    ranks = stages // stages_per_rank
+    orders = [rank_order(schedule, r, ranks, stages_per_rank, microbatches) for r in range(ranks)]
+    done: dict[Pass, float] = {}
+    free, nxt = [0.0] * ranks, [0] * ranks
     blocks: list[TimelineBlock] = []
     while len(blocks) < sum(len(order) for order in orders):
-        for i in range(stages):
-            if nxt[i] == len(orders[i]):
+        placed = len(blocks)
+        for r in range(ranks):
+            if nxt[r] == len(orders[r]):
                 continue
-            kind, m = orders[i][nxt[i]]
-            source = i - 1 if kind == "forward" else i + 1
-            ready = done.get((source, kind, m)) if 0 <= source < stages else 0.0
-            if ready is None:
+            stage, kind, m = orders[r][nxt[r]]
+            needs = _needs(stage, kind, m, stages)
+            if needs is not None and needs not in done:
                 continue  # the pass it waits for is not placed yet
-            start = max(free[i], ready)
-            end = start + (forward_us[i] if kind == "forward" else backward_us[i])
-            blocks.append(TimelineBlock(i, m, kind, start, end))
-            done[(i, kind, m)], free[i], nxt[i] = end, end, nxt[i] + 1
+            start = max(free[r], 0.0 if needs is None else done[needs])
+            end = start + (forward_us[stage] if kind == "forward" else backward_us[stage])
+            blocks.append(TimelineBlock(stage, m, kind, start, end))
+            done[(stage, kind, m)], free[r], nxt[r] = end, end, nxt[r] + 1
+        if len(blocks) == placed:
+            raise ValueError(f"{schedule}: the passes' order waits on itself")
     return tuple(sorted(blocks, key=lambda b: (b.stage, b.start_us)))
+
+
+def _needs(stage: int, kind: PassKind, microbatch: int, stages: int) -> Pass | None:
+    """The pass whose output this one reads (None: the first stage's forward reads the
+    batch)."""
+    if kind == "forward":
+        return None if stage == 0 else (stage - 1, "forward", microbatch)
+    if stage == stages - 1:
+        return (stage, "forward", microbatch)
+    return (stage + 1, "backward", microbatch)
 
 
 def pipeline_cost(
@@ -103,23 +161,31 @@ def pipeline_cost(
     backward_us: Sequence[float],
     optimizer_us: Sequence[float],
     microbatches: int,
+    stages_per_rank: int = 1,
 ) -> PipelineCost:
     """The step of ``microbatches`` through stages whose forward and backward of one
     microbatch take ``forward_us`` and ``backward_us`` (see the module docstring);
-    ``optimizer_us``: each stage's optimizer step."""
-    blocks = timeline(schedule, forward_us, backward_us, microbatches)
+    ``optimizer_us``: each stage's optimizer step. The bubble is the time the busiest rank
+    waits; a rank steps the optimizer of each of its stages."""
+    blocks = timeline(schedule, forward_us, backward_us, microbatches, stages_per_rank)
     flow = max(block.end_us for block in blocks)
     per_stage = [f + b for f, b in zip(forward_us, backward_us)]
+    ranks = len(per_stage) // stages_per_rank
+    busiest = max(sum(per_stage[r::ranks]) for r in range(ranks))
+    optimizer = max(sum(optimizer_us[r::ranks]) for r in range(ranks))
     return PipelineCost(
         stage_microbatch_us=tuple(float(t) for t in per_stage),
-        bubble_us=float(flow - microbatches * max(per_stage)),
-        step_us=float(flow + max(optimizer_us)),
+        bubble_us=float(flow - microbatches * busiest),
+        step_us=float(flow + optimizer),
         timeline=blocks,
     )
 
 
 def price_stages(
-    schedule: ScheduleName, microbatches: int, prices: Sequence[StagePrice]
+    schedule: ScheduleName,
+    microbatches: int,
+    prices: Sequence[StagePrice],
+    stages_per_rank: int = 1,
 ) -> tuple[PipelineCost, tuple[StageMemory | None, ...]]:
     """The step of stages priced ``prices`` (in stage order) and each stage's memory under
     ``schedule`` (a stage's plan counts its microbatches in flight: see
@@ -130,12 +196,13 @@ def price_stages(
         [p.microbatch_us - p.forward_us for p in prices],
         [p.optimizer_us for p in prices],
         microbatches,
+        stages_per_rank,
     )
     memory = tuple(
         None
         if price.peak_bytes is None or price.activation_bytes is None
         else StageMemory(
-            microbatches_in_flight(schedule, index, len(prices), microbatches),
+            microbatches_in_flight(schedule, index, len(prices), microbatches, stages_per_rank),
             price.activation_bytes,
             price.peak_bytes,
         )

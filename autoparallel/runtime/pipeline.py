@@ -3,7 +3,8 @@ torch.distributed.pipelining's schedules.
 
 torch's ``PipelineStage`` runs the stage module per microbatch, sends and receives the
 activations and their gradients over the ``pp`` group, and calls autograd on the stage's
-outputs; the schedule (``ScheduleGPipe``, ``Schedule1F1B``) orders the microbatches. The stage
+outputs; the schedule (``ScheduleGPipe``, ``Schedule1F1B``; ``ScheduleInterleaved1F1B`` where
+a rank runs several stages, one ``PipelineStage`` each) orders the microbatches. A stage
 module is the planner's parallel module of that stage: it takes and returns local tensors
 (the layouts pinned at the cuts, stage_setup.py) and reduces its own gradients over the other
 mesh dims in its backward, so nothing here communicates by itself.
@@ -17,7 +18,7 @@ row-splitting ranks for a mean over the whole batch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,49 +31,62 @@ from autoparallel.runtime.stage_init import (
     stage_state_dict,
     whole_model_entries,
 )
-from autoparallel.types.pipeline import PipelineError, PipelinePlan
+from autoparallel.types.pipeline import INTERLEAVED, PipelineError, PipelinePlan
 
 
 class ParallelPipeline:
-    """This rank's stage of the pipelined model and the schedule that runs it.
+    """This rank's stages of the pipelined model and the schedule that runs them.
 
-    ``module`` is the stage's parallel module (its parameters and state dict under the
-    model's own names: ``layers.3.attention.wq.weight``); build the optimizer from
-    :meth:`parameters`. Every rank calls :meth:`step` with the same arguments; the first
-    stage reads the inputs, the last the targets and the losses list.
+    ``modules`` are this rank's stages' parallel modules, in stage order (one, or several
+    under interleaved 1F1B; their parameters and state dict under the model's own names:
+    ``layers.3.attention.wq.weight``); build the optimizer from :meth:`parameters`. Every
+    rank calls :meth:`step` with the same arguments; the rank of the first stage reads the
+    inputs, the rank of the last the targets and the losses list.
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: Sequence[nn.Module],
         pipeline: PipelinePlan,
         pp_mesh: DeviceMesh,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         whole_model: nn.Module,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         if not callable(loss_fn):
             raise PipelineError(
                 "a plan with pipeline stages needs loss_fn(output, target) -> loss: pass "
                 "apply_placement(plan, loss_fn=...)"
             )
-        self.module = module
+        if len(modules) != len(pipeline.rank_stages):
+            raise PipelineError(
+                f"this rank runs stages {pipeline.rank_stages}, got {len(modules)} modules"
+            )
+        self.modules = list(modules)
+        self.module = self.modules[0]  # this rank's first stage
         self.whole_model = whole_model
         # the first stage's inputs as traced (positional, then keyword): step(**named) order
-        self.input_names = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+        self.input_names = [n.name for n in self.module.graph.nodes if n.op == "placeholder"]
         self.pipeline = pipeline
         device = torch.device(pp_mesh.device_type)
-        self.stage = PipelineStage(
-            module,
-            pipeline.stage_index,
-            pipeline.num_stages,
-            device,
-            group=pp_mesh.get_group(),
-        )
+        self.stages = [
+            PipelineStage(module, index, pipeline.num_stages, device, group=pp_mesh.get_group())
+            for module, index in zip(self.modules, pipeline.rank_stages)
+        ]
+        if pipeline.schedule == INTERLEAVED:
+            self.schedule = ScheduleInterleaved1F1B(
+                self.stages, n_microbatches=pipeline.microbatches, loss_fn=loss_fn
+            )
+            return
         schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[pipeline.schedule]
         self.schedule = schedule_class(
-            self.stage, n_microbatches=pipeline.microbatches, loss_fn=loss_fn
+            self.stages[0], n_microbatches=pipeline.microbatches, loss_fn=loss_fn
         )
 
     @property
@@ -84,40 +98,55 @@ class ParallelPipeline:
         return self.pipeline.is_last
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        return self.module.parameters()
+        for module in self.modules:
+            yield from module.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters()
+        for module in self.modules:
+            yield from module.named_parameters()
 
     def state_dict(self) -> dict[str, Any]:
-        """This stage's entries of the whole model's state dict, under the model's own names
-        (DTensors: a ``torch.distributed.checkpoint`` of every rank's is the whole model's
-        checkpoint; the model's non-persistent buffers, which the cut holds as persistent
-        ones, are left out as the model leaves them out)."""
-        return whole_model_entries(self.whole_model, self.module.state_dict())
+        """This rank's stages' entries of the whole model's state dict, under the model's
+        own names (DTensors: a ``torch.distributed.checkpoint`` of every rank's is the whole
+        model's checkpoint; the model's non-persistent buffers, which the cut holds as
+        persistent ones, are left out as the model leaves them out)."""
+        entries: dict[str, Any] = {}
+        for module in self.modules:
+            entries.update(whole_model_entries(self.whole_model, module.state_dict()))
+        return entries
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> StageKeys:
-        """Load this stage's entries of the whole model's state dict (full tensors or
-        DTensors); with ``strict``, a key of this stage it lacks or a key of no tensor of the
-        model raises ``KeyError`` naming it (runtime/stage_init.py). Returns the keys that
-        did not fit, as ``nn.Module.load_state_dict`` does."""
-        mine, keys = stage_state_dict(self.whole_model, self.module, state_dict, strict)
-        self.module.load_state_dict(mine, strict=False)  # the checks were ours
-        return keys
+        """Load this rank's stages' entries of the whole model's state dict (full tensors or
+        DTensors); with ``strict``, a key of these stages it lacks or a key of no tensor of
+        the model raises ``KeyError`` naming it (runtime/stage_init.py). Returns the keys
+        that did not fit, as ``nn.Module.load_state_dict`` does."""
+        missing: list[str] = []
+        unexpected: list[str] = []
+        for module in self.modules:
+            mine, keys = stage_state_dict(self.whole_model, module, state_dict, strict)
+            module.load_state_dict(mine, strict=False)  # the checks were ours
+            missing += keys.missing_keys
+            unexpected = keys.unexpected_keys
+        return StageKeys(missing, unexpected)
 
     def to_empty(self, *, device: torch.device | str) -> ParallelPipeline:
-        """Give this stage's meta tensors storage on ``device`` (values uninitialized: call
-        :meth:`init_weights` or :meth:`load_state_dict` next)."""
-        self.module.to_empty(device=device)
+        """Give this rank's stages' meta tensors storage on ``device`` (values
+        uninitialized: call :meth:`init_weights` or :meth:`load_state_dict` next)."""
+        for module in self.modules:
+            module.to_empty(device=device)
         return self
 
     def init_weights(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``init_weights(*args, **kwargs)``, run so that it initializes this
-        stage's parameters and buffers (non-persistent ones included) as it initializes the
-        whole model. Call it after :meth:`to_empty` on a model planned on meta. Values drawn
-        from torch's global generator differ from one device's: seed each stage apart
-        (``torch.manual_seed(seed + pipe.pipeline.stage_index)``); see runtime/stage_init.py."""
-        return init_stage(self.whole_model, self.module, "init_weights", *args, **kwargs)
+        rank's stages' parameters and buffers (non-persistent ones included) as it
+        initializes the whole model, once per stage. Call it after :meth:`to_empty` on a
+        model planned on meta. Values drawn from torch's global generator differ from one
+        device's: seed each stage apart (``torch.manual_seed(seed +
+        pipe.pipeline.stage_index)``); see runtime/stage_init.py."""
+        result = None
+        for module in self.modules:
+            result = init_stage(self.whole_model, module, "init_weights", *args, **kwargs)
+        return result
 
     def step(
         self,
@@ -156,4 +185,5 @@ class ParallelPipeline:
         return (*inputs, *(named[name] for name in rest))
 
     def __repr__(self) -> str:
-        return f"ParallelPipeline({self.pipeline.describe()}; this rank: stage {self.pipeline.stage_index})"
+        stages = ", ".join(str(s) for s in self.pipeline.rank_stages)
+        return f"ParallelPipeline({self.pipeline.describe()}; this rank: stage {stages})"

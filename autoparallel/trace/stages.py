@@ -16,6 +16,7 @@ is an output of the stage before it, in the order of the stage's placeholders.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -140,9 +141,11 @@ def split_stages(
             f"cutting before {', '.join(split_spec)} gave {pipe.num_stages} stages, not "
             f"{num_stages}: does the forward call every layer of `{stack.path}` in order?"
         )
+    modules = [pipe.get_stage_module(index) for index in range(num_stages)]
+    _pass_skipped_values(pipe.split_gm.graph, modules)
     stages = []
     for index, start in enumerate(starts):
-        module = pipe.get_stage_module(index)
+        module = modules[index]
         _drop_device_checks(module)
         _devices_from_inputs(module, device)
         _give_back(module, own)
@@ -151,6 +154,89 @@ def split_stages(
             StageModule(index, module, stack.names(start, start + counts[index]), examples)
         )
     return stages
+
+
+def _pass_skipped_values(top: fx.Graph, modules: list[nn.Module]) -> None:
+    """Make every stage's outputs exactly the next stage's inputs, in the order of its
+    placeholders (the module docstring's contract, which torch's manual ``PipelineStage``
+    relies on: a stage receives only from the stage before it).
+
+    torch's split lets a value skip stages: a LLaMA's rotary tables, made by the first
+    stage, are read by every later stage straight from it (``top``, the split program,
+    passes them so). Each stage between the maker and a reader then takes the value as
+    an extra input and passes a copy of it on as an extra output, so it travels stage to
+    stage, its gradient back the same way."""
+    calls = [node for node in top.nodes if node.op == "call_module"]
+    made_by = {call: index for index, call in enumerate(calls)}
+
+    def maker(value: fx.Node) -> int:
+        source = value.args[0] if value.target is operator.getitem else value
+        return made_by.get(source, -1)  # -1: the model's own input
+
+    takes = [list(call.args) for call in calls]
+    for index in range(len(calls) - 1, 0, -1):
+        for value in takes[index]:
+            if maker(value) < index - 1 and value not in takes[index - 1]:
+                if index - 1 == 0:
+                    raise PipelineError(
+                        f"stage {index} reads the model input `{value.name}`, which the first "
+                        "stage does not take: only the first stage receives the model's inputs"
+                    )
+                takes[index - 1].append(value)
+    (returned,) = next(node for node in top.nodes if node.op == "output").args
+    outputs: list[fx.Node] = []
+    fx.node.map_arg(returned, outputs.append)
+    if any(maker(value) != len(calls) - 1 for value in outputs):
+        raise PipelineError("a model output is made before the last stage: it cannot be cut")
+    for index, module in enumerate(modules[:-1]):
+        _thread(module, takes[index], takes[index + 1], index, maker, calls, modules)
+
+
+def _thread(
+    module: nn.Module,
+    takes: list[fx.Node],
+    gives: list[fx.Node],
+    index: int,
+    maker: Any,
+    calls: list[fx.Node],
+    modules: list[nn.Module],
+) -> None:
+    """Stage ``index``'s module taking ``takes`` and returning ``gives`` (top-level values
+    of the split program), the ones it does not make passed through as copies."""
+    graph = module.graph
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    output = next(node for node in graph.nodes if node.op == "output")
+    made = output.args[0]
+    for value in takes[len(placeholders) :]:
+        with graph.inserting_after(placeholders[-1]):
+            added = graph.placeholder(value.name)
+        added.meta["val"] = _example_of(value, calls, modules)
+        placeholders.append(added)
+    returned = []
+    for value in gives:
+        if maker(value) == index:
+            position = value.args[1] if value.target is operator.getitem else None
+            returned.append(made if position is None else made[position])
+            continue
+        with graph.inserting_before(output):
+            copy = graph.call_function(
+                torch.ops.aten.clone.default, (placeholders[takes.index(value)],)
+            )
+        copy.meta["val"] = placeholders[takes.index(value)].meta["val"]
+        returned.append(copy)
+    output.args = (returned[0] if len(returned) == 1 else tuple(returned),)
+    graph.eliminate_dead_code()
+    graph.lint()
+    _recompile(module)
+
+
+def _example_of(value: fx.Node, calls: list[fx.Node], modules: list[nn.Module]) -> Any:
+    """The traced value of a top-level value, from a stage that takes it."""
+    for call, module in zip(calls, modules):
+        if value in call.args:
+            placeholders = [node for node in module.graph.nodes if node.op == "placeholder"]
+            return placeholders[list(call.args).index(value)].meta.get("val")
+    return None
 
 
 @contextlib.contextmanager

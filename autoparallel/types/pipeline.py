@@ -14,8 +14,11 @@ from typing import Literal, get_args
 PIPELINE_DIM = "pp"
 """The mesh dim name that makes the model run as pipeline stages."""
 
-ScheduleName = Literal["gpipe", "1f1b"]
-"""torch.distributed.pipelining's ``ScheduleGPipe`` and ``Schedule1F1B``."""
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+"""torch.distributed.pipelining's ``ScheduleGPipe``, ``Schedule1F1B`` (one stage per rank)
+and ``ScheduleInterleaved1F1B`` (several stages per rank)."""
+
+INTERLEAVED: ScheduleName = "interleaved-1f1b"
 
 SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 
@@ -40,16 +43,35 @@ class PipelineConfig:
         possible (earlier stages taking the remainder), then evened out by the stages'
         prices (pipeline_planning.py). The embedding goes with the first stage, everything
         after the stack with the last.
+    stages_per_rank: how many stages each rank of the pp dim runs (the model is cut into
+        ``pp * stages_per_rank`` stages, stage ``s`` on pp rank ``s % pp``); more than one
+        needs the "interleaved-1f1b" schedule, which is then the default. By default 1,
+        and the planner also prices 2 under "interleaved-1f1b" where the stack has the
+        layers for it (pipeline_planning.py).
     """
 
     schedule: ScheduleName | None = None
     microbatches: int | None = None
     stage_layers: tuple[int, ...] | None = None
+    stages_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise PipelineError(
                 f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+            )
+        if self.stages_per_rank is not None and (
+            not isinstance(self.stages_per_rank, int)
+            or isinstance(self.stages_per_rank, bool)
+            or self.stages_per_rank < 1
+        ):
+            raise PipelineError(
+                f"stages_per_rank must be a positive int, got {self.stages_per_rank!r}"
+            )
+        if (self.stages_per_rank or 1) > 1 and self.schedule not in (None, INTERLEAVED):
+            raise PipelineError(
+                f"{self.stages_per_rank} stages per rank need schedule='{INTERLEAVED}', "
+                f"got {self.schedule!r}"
             )
         if self.microbatches is not None and (
             not isinstance(self.microbatches, int)
@@ -128,9 +150,12 @@ class PipelineOption:
     step_us: float | None
     peak_bytes: float | None = None
     stage_layers: tuple[int, ...] = ()  # layers per stage
+    stages_per_rank: int = 1
 
     def describe(self) -> str:
         head = f"{self.schedule} x{self.microbatches}"
+        if self.stages_per_rank > 1:
+            head += f" ({self.stages_per_rank} stages per rank)"
         if self.stage_layers:
             head += f" layers {'/'.join(str(n) for n in self.stage_layers)}"
         if self.step_us is None:
@@ -153,8 +178,10 @@ class StageMemory:
 class PipelinePlan:
     """The pipeline of a plan: the schedule, the microbatches, and which layers each stage
     runs (``stages[i]``: the layer-stack entries of stage ``i``, e.g. ``("layers.0",
-    "layers.1")``). ``stage_index`` is the stage this rank runs; the plan beside this holds
-    that stage's placements on the mesh's other dims."""
+    "layers.1")``). ``stage_index`` is the stage this plan places (this rank's first); the
+    plan beside this holds that stage's placements on the mesh's other dims. With
+    ``stages_per_rank`` > 1, pp rank ``r`` runs stages ``r, r + ranks, ...``
+    (``rank_stages``)."""
 
     schedule: ScheduleName
     microbatches: int
@@ -165,6 +192,17 @@ class PipelinePlan:
     stage_memory: tuple[StageMemory | None, ...] = ()
     # the settings the planner priced, this one among them
     options: tuple[PipelineOption, ...] = ()
+    stages_per_rank: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """The pp dim's size."""
+        return self.num_stages // self.stages_per_rank
+
+    @property
+    def rank_stages(self) -> tuple[int, ...]:
+        """The stages of the pp rank that runs ``stage_index``, in order."""
+        return tuple(range(self.stage_index % self.ranks, self.num_stages, self.ranks))
 
     @property
     def memory(self) -> StageMemory | None:
@@ -177,15 +215,18 @@ class PipelinePlan:
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """Whether this rank runs the first stage (it reads the model's inputs)."""
+        return 0 in self.rank_stages
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        """Whether this rank runs the last stage (it computes the loss)."""
+        return self.num_stages - 1 in self.rank_stages
 
     def describe(self) -> str:
         spans = ", ".join(stage_spans(self.stages))
-        described = f"{self.schedule}, {self.microbatches} microbatches, {spans}"
+        per_rank = f"{self.stages_per_rank} stages per rank, " if self.stages_per_rank > 1 else ""
+        described = f"{self.schedule}, {self.microbatches} microbatches, {per_rank}{spans}"
         if self.cost is None:
             return described
         return (

@@ -31,8 +31,8 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def initialized_model() -> Llama:
-    model = Llama(CONFIG)
+def initialized_model(n_layers: int = CONFIG.n_layers) -> Llama:
+    model = Llama(llama_config("tiny", n_layers=n_layers))
     model.init_weights(seed=0)
     return model
 
@@ -43,12 +43,12 @@ def _policy(bf16: bool) -> Any:
     return MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
 
 
-def reference(bf16: bool = False) -> dict[str, Any]:
+def reference(bf16: bool = False, n_layers: int = CONFIG.n_layers) -> dict[str, Any]:
     """STEPS AdamW steps of the whole batch's mean squared error on one device (computing in
-    bf16 under ``MixedPrecisionModule`` where ``bf16``)."""
+    bf16 under ``MixedPrecisionModule`` where ``bf16``), the tiny LLaMA with ``n_layers``."""
     from autoparallel.trace.mixed_precision import MixedPrecisionModule
 
-    model = initialized_model()
+    model = initialized_model(n_layers)
     run = MixedPrecisionModule(model, _policy(True)) if bf16 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
@@ -73,6 +73,8 @@ def train_pipelined(
     bf16: bool = False,
     pp_alone: bool = False,
     on_meta: bool = False,
+    n_layers: int = CONFIG.n_layers,
+    stages_per_rank: int | None = None,
 ) -> dict[str, Any]:
     """Plan on a (2, world_size // 2) pp x dp gloo mesh (``pp_alone``: a (2,) pp mesh; ``bf16``:
     under a bf16/fp32 policy) with the schedule and microbatches
@@ -81,7 +83,8 @@ def train_pipelined(
     checkpoint in ``checkpoint`` (a directory) gives them back. ``on_meta``: the model is
     built and planned on the meta device, its stage materialized by ``pipe.to_empty`` and
     ``pipe.init_weights(seed=0)`` (the reference's init); else built on CPU, and loaded
-    again from the reference model's whole state dict by ``pipe.load_state_dict``."""
+    again from the reference model's whole state dict by ``pipe.load_state_dict``.
+    ``n_layers``: the tiny LLaMA's depth; ``stages_per_rank``: fixed where given."""
     dp = 1 if pp_alone else world_size // 2
     shape, names = ((2,), ("pp",)) if pp_alone else ((2, dp), ("pp", "dp"))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -90,12 +93,14 @@ def train_pipelined(
     all_batches = batches()
     if on_meta:
         with torch.device("meta"):
-            model = Llama(CONFIG)
+            model = Llama(llama_config("tiny", n_layers=n_layers))
     else:
-        model = initialized_model()
+        model = initialized_model(n_layers)
     policy = _policy(bf16)
     with AutoParallel(model, lambda: all_batches[0][0], mesh, policy, hardware="cpu") as autop:
-        autop.add_pipeline_constraint(schedule=schedule, microbatches=microbatches)
+        autop.add_pipeline_constraint(
+            schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank
+        )
         autop.add_input_constraints([rows])
         autop.add_output_constraints([rows])
         plan = autop.optimize_placement()
@@ -107,8 +112,8 @@ def train_pipelined(
         pipe.to_empty(device="cpu")
         pipe.init_weights(seed=0)
     else:
-        pipe.load_state_dict(initialized_model().state_dict())
-    initial = full_params(pipe.module)
+        pipe.load_state_dict(initialized_model(n_layers).state_dict())
+    initial = _full_params(pipe)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
     row = 0 if pp_alone else mesh.get_local_rank("dp")
     losses, grads = [], {}
@@ -117,11 +122,11 @@ def train_pipelined(
         step_losses: list[torch.Tensor] = []
         pipe.step(tokens.chunk(dp)[row], target=target.chunk(dp)[row], losses=step_losses)
         if step == 0:
-            grads = full_grads(pipe.module)
+            grads = {k: v for m in pipe.modules for k, v in full_grads(m).items()}
         optimizer.step()
         if step_losses:  # the mean over the microbatches of this rank's rows
             losses.append(float(torch.stack(step_losses).detach().mean()))
-    params = full_params(pipe.module)
+    params = _full_params(pipe)
     # a torch.distributed.checkpoint of every stage, loaded back over zeroed parameters
     dcp.save(pipe.state_dict(), checkpoint_id=checkpoint)
     with torch.no_grad():
@@ -130,17 +135,40 @@ def train_pipelined(
     state = pipe.state_dict()
     dcp.load(state, checkpoint_id=checkpoint)
     pipe.load_state_dict(state, strict=False)  # this stage's entries only
-    reloaded = full_params(pipe.module)
+    reloaded = _full_params(pipe)
     return {
         "reloaded_equal": all(torch.equal(params[k], reloaded[k]) for k in params),
         "initial": initial,
         "state_keys": sorted(state),
         "whole_model_on_meta": all(t.is_meta for t in (*model.parameters(), *model.buffers())),
         "stage": plan.pipeline.stage_index,
+        "rank_stages": plan.pipeline.rank_stages,
+        "order": _order(pipe.schedule),
         "stages": plan.pipeline.stages,
         "losses": losses,
         "grads": grads,
         "params": params,
         "input_placements": [str(p) for p in plan.input_placements],
         "pipeline": plan.pipeline,
+    }
+
+
+def _full_params(pipe: Any) -> dict[str, torch.Tensor]:
+    return {k: v for module in pipe.modules for k, v in full_params(module).items()}
+
+
+def _order(schedule: Any) -> dict[int, list[tuple[int, str, int]]] | None:
+    """torch's own order of every rank's passes (multi-stage schedules only): (stage,
+    "forward"/"backward", microbatch), to compare with cost/pipeline.py's."""
+    order = getattr(schedule, "pipeline_order", None)
+    if order is None:
+        return None
+    kinds = {"FORWARD": "forward", "FULL_BACKWARD": "backward"}
+    return {
+        rank: [
+            (a.stage_index, kinds[a.computation_type.name], a.microbatch_index)
+            for a in actions
+            if a is not None and a.computation_type.name in kinds
+        ]
+        for rank, actions in order.items()
     }
