@@ -44,7 +44,6 @@ from autoparallel.cost.pipeline import (
     price_stages,
 )
 from autoparallel.cost.topology import Topology
-from autoparallel.optimizer import ShardingOptimizer
 from autoparallel.solver.highs import InfeasibleConstraintsError
 from autoparallel.stage_setup import (
     StageCut,

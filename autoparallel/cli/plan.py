@@ -188,8 +188,10 @@ def _planned(
         gpus_per_node=request.gpus_per_node,
         trace_layers_once=not request.trace_all_layers,
     ) as autop:
-        if request.schedule is not None or request.microbatches is not None:
-            autop.add_pipeline_constraint(request.schedule, request.microbatches)
+        if (request.schedule, request.microbatches, request.stages_per_rank) != (None,) * 3:
+            autop.add_pipeline_constraint(
+                request.schedule, request.microbatches, stages_per_rank=request.stages_per_rank
+            )
         joint = autop.sharding_optimizer.problem.joint
         outputs = [joint.tangents.get(i, out) for i, out in enumerate(joint.user_outputs)]
         autop.add_input_constraints(_batch_split(autop, joint.user_inputs, request.batch))

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 from autoparallel.cli import calibrate, saved
 from autoparallel.cli.common import UsageError, parse_bytes, parse_mesh
+from autoparallel.types.pipeline import SCHEDULES
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -166,10 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b"),
+        choices=SCHEDULES,
         default=None,
         help="with a pp mesh dim: the pipeline schedule (default: 1f1b where there are at "
-        "least as many microbatches as stages, else gpipe)",
+        "least as many microbatches as stages, else gpipe; interleaved-1f1b with two stages "
+        "per rank is priced beside it)",
+    )
+    plan.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=None,
+        help="with a pp mesh dim: stages each pp rank runs (more than one: interleaved-1f1b)",
     )
     plan.add_argument(
         "--microbatches",
@@ -245,6 +253,7 @@ class PlanRequest:
     schedule: str | None = None  # with a "pp" mesh dim: add_pipeline_constraint's
     microbatches: int | None = None
     pipeline: bool = False  # with devices: pp meshes among the candidates
+    stages_per_rank: int | None = None
 
     def mp_policy(self) -> Any:
         """torch's MixedPrecisionPolicy for the dtype flags, or None without them."""
@@ -361,10 +370,17 @@ def validate(args: argparse.Namespace) -> PlanRequest:
     if args.pipeline and args.devices is None:
         raise UsageError("--pipeline goes with --devices (with --mesh, name a pp dim)")
     pipelined = names is not None and names[0] == "pp"
-    if (args.schedule or args.microbatches) and not pipelined:
-        raise UsageError("--schedule and --microbatches need a mesh whose first dim is named pp")
-    if args.microbatches is not None and args.microbatches < 1:
-        raise UsageError(f"--microbatches must be a positive integer, got {args.microbatches}")
+    if (args.schedule or args.microbatches or args.stages_per_rank) and not pipelined:
+        raise UsageError(
+            "--schedule, --microbatches and --stages-per-rank need a mesh whose first dim is "
+            "named pp"
+        )
+    for flag, value in (
+        ("--microbatches", args.microbatches),
+        ("--stages-per-rank", args.stages_per_rank),
+    ):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be a positive integer, got {value}")
     batch_dim = 1 if pipelined and len(shape) > 1 else 0  # pp moves whole microbatches
     if (
         args.devices is None
@@ -424,6 +440,7 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         args.schedule,
         args.microbatches,
         args.pipeline,
+        args.stages_per_rank,
     )
 
 

@@ -193,7 +193,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 def _pipeline(plan: Plan) -> dict[str, Any] | None:
     """With a "pp" mesh dim: the schedule, microbatches, every stage's layers, which stage
     this plan's placements are of (its mesh is the mesh without pp), the predicted step,
-    every stage's memory under the schedule, and the settings the planner priced."""
+    every stage's memory under the schedule, and the settings the planner priced. Stage ``s``
+    runs on pp rank ``s % (stages / stages_per_rank)``."""
     pipeline = plan.pipeline
     if pipeline is None:
         return None
@@ -202,6 +203,7 @@ def _pipeline(plan: Plan) -> dict[str, Any] | None:
         "microbatches": pipeline.microbatches,
         "stages": [list(layers) for layers in pipeline.stages],
         "stage_index": pipeline.stage_index,
+        "stages_per_rank": pipeline.stages_per_rank,
         "cost": None
         if pipeline.cost is None
         else {
@@ -223,6 +225,7 @@ def _pipeline(plan: Plan) -> dict[str, Any] | None:
                 "step_us": None if o.step_us is None else json_float(o.step_us),
                 "peak": None if o.peak_bytes is None else json_float(o.peak_bytes),
                 "stage_layers": list(o.stage_layers),
+                "stages_per_rank": o.stages_per_rank,
             }
             for o in pipeline.options
         ],

@@ -2,8 +2,8 @@
 stage's microbatch time and memory, and the settings the planner priced.
 
 The timeline is an inline SVG drawn from the plan JSON's ``pipeline.cost.timeline`` (one
-row per stage, one block per forward or backward of a microbatch, cost/pipeline.py), so the
-bubble shows as the gaps; nothing is computed here.
+row per pp rank, one block per forward or backward of a microbatch on one of its stages,
+cost/pipeline.py), so the bubble shows as the gaps; nothing is computed here.
 """
 
 from __future__ import annotations
@@ -34,28 +34,29 @@ def pipeline_section(data: Mapping[str, Any]) -> str:
             f"<p>Predicted step <b>{t.us(cost['step_us'])}</b>, of which the busiest stage "
             f"waits {t.us(cost['bubble_us'])} (the bubble).</p>"
         )
-    body = head + _timeline(cost.get("timeline") or [], len(spans))
+    ranks = len(spans) // pipeline.get("stages_per_rank", 1)
+    body = head + _timeline(cost.get("timeline") or [], ranks)
     body += _stages_table(pipeline, spans) + _options_table(pipeline.get("options") or [])
     return t.section(
         "pipeline",
         "Pipeline",
         body,
-        "Each stage runs its microbatches' forwards (blue) and backwards (orange) in the "
-        "schedule's order, each once its input is there: the gaps are the bubble.",
+        "Each pp rank runs its stages' microbatch forwards (blue) and backwards (orange) in "
+        "the schedule's order, each once its input is there: the gaps are the bubble.",
     )
 
 
-def _timeline(blocks: Sequence[Sequence[Any]], stages: int) -> str:
+def _timeline(blocks: Sequence[Sequence[Any]], ranks: int) -> str:
     if not blocks:
         return t.empty("no timeline: the other stages' times are not known to this plan")
     end = max(float(b[4]) for b in blocks) or 1.0
     scale = (WIDTH_PX - LABEL_PX) / end
     rects = [
-        f'<text x="0" y="{i * ROW_PX + 13}" font-size="11">stage {i}</text>' for i in range(stages)
+        f'<text x="0" y="{i * ROW_PX + 13}" font-size="11">rank {i}</text>' for i in range(ranks)
     ]
     for stage, microbatch, kind, start, stop in blocks:
         x, width = LABEL_PX + float(start) * scale, max((float(stop) - float(start)) * scale, 1.0)
-        y = int(stage) * ROW_PX + 2
+        y = int(stage) % ranks * ROW_PX + 2
         title = f"stage {stage}, microbatch {microbatch}, {kind}: {t.us(start)} to {t.us(stop)}"
         rects.append(
             f'<rect x="{x:.1f}" y="{y}" width="{width:.1f}" height="{ROW_PX - 4}" '
@@ -67,7 +68,7 @@ def _timeline(blocks: Sequence[Sequence[Any]], stages: int) -> str:
                 f'<text x="{x + width / 2:.1f}" y="{y + 11}" font-size="9" fill="#fff" '
                 f'text-anchor="middle">{int(microbatch)}</text>'
             )
-    height = stages * ROW_PX + 4
+    height = ranks * ROW_PX + 4
     return (
         f'<svg class="timeline" width="{WIDTH_PX}" height="{height}" '
         f'viewBox="0 0 {WIDTH_PX} {height}" role="img" aria-label="pipeline timeline">'
@@ -98,7 +99,7 @@ def _options_table(options: Sequence[Mapping[str, Any]]) -> str:
     if len(options) < 2:
         return ""
     rows = [
-        f'<tr><td>{t.esc(o["schedule"])}</td><td class="num">{o["microbatches"]}</td>'
+        f'<tr><td>{t.esc(_schedule(o))}</td><td class="num">{o["microbatches"]}</td>'
         f"<td>{t.esc('/'.join(str(n) for n in o.get('stage_layers') or []))}</td>"
         f'<td class="num">{t.us(o["step_us"]) if o["step_us"] is not None else "no plan"}</td>'
         f'<td class="num">{t.format_bytes(o["peak"]) if o["peak"] is not None else "-"}</td></tr>'
@@ -108,3 +109,8 @@ def _options_table(options: Sequence[Mapping[str, Any]]) -> str:
         ["schedule", "microbatches#", "layers per stage", "predicted step#", "largest stage peak#"],
         rows,
     )
+
+
+def _schedule(option: Mapping[str, Any]) -> str:
+    per_rank = option.get("stages_per_rank", 1)
+    return option["schedule"] + (f" ({per_rank} stages per rank)" if per_rank > 1 else "")

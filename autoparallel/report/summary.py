@@ -101,9 +101,12 @@ def pipeline_lines(data: Mapping[str, Any]) -> list[str]:
     if not p:
         return []
     stages = "; ".join(stage_spans(p["stages"]))
+    per_rank = p.get("stages_per_rank", 1)
+    shared = f" ({per_rank} per pp rank)" if per_rank > 1 else ""
     lines = [
-        f"pipeline: {len(p['stages'])} stages, {p['schedule']}, {p['microbatches']} microbatches "
-        f"({stages}); the placements below are stage {p['stage_index']}'s on the other mesh dims"
+        f"pipeline: {len(p['stages'])} stages{shared}, {p['schedule']}, {p['microbatches']} "
+        f"microbatches ({stages}); the placements below are stage {p['stage_index']}'s on the "
+        "other mesh dims"
     ]
     cost = p.get("cost")
     if cost:
@@ -130,6 +133,8 @@ def pipeline_lines(data: Mapping[str, Any]) -> list[str]:
 
 def _option(option: Mapping[str, Any]) -> str:
     head = f"{option['schedule']} x{option['microbatches']}"
+    if option.get("stages_per_rank", 1) > 1:
+        head += f" ({option['stages_per_rank']} stages per rank)"
     if option.get("stage_layers"):
         head += " layers " + "/".join(str(n) for n in option["stage_layers"])
     if option["step_us"] is None:
