@@ -14,8 +14,9 @@ With a "pp" mesh dim, ``AutoParallel`` (api.py) takes this class's methods:
             -> every stage's price: exchanged over the pp group, or on a fake mesh (no peer
                plans the other stages) planned here, stages that plan alike once
         -> the fastest setting within the memory budget (cost/pipeline.py's choose_option)
-        -> two stages per rank (_interleaved): the kept microbatches under interleaved
-           1F1B, planned and priced the same way, kept if faster
+        -> two stages per rank (_interleaved): where its stages cut in halves are
+           predicted faster, the kept microbatches under interleaved 1F1B, planned and
+           priced the same way, kept if faster
         -> the cuts (_even_out): the layers moved to even out its stages' prices
            (balanced_layers), that split planned and priced the same way, kept if faster
         -> this object left holding the kept setting's stage, problem and plan (and its
@@ -40,6 +41,7 @@ from typing import Any
 from autoparallel.cost.pipeline import (
     balanced_layers,
     choose_option,
+    halved_stages_step,
     microbatches_in_flight,
     price_stages,
 )
@@ -260,11 +262,7 @@ class PipelinePlanning:
     def _interleaving_open(self) -> bool:
         """Whether the user left the stages per rank to the planner."""
         config = self.pipeline_config
-        return (
-            config.schedule is None
-            and config.stages_per_rank is None
-            and (config.stage_layers is None)
-        )
+        return (config.schedule, config.stages_per_rank, config.stage_layers) == (None,) * 3
 
     def _interleaved(
         self,
@@ -277,9 +275,10 @@ class PipelinePlanning:
         best: int,
     ) -> int:
         """The kept setting's microbatches with two stages per rank under interleaved 1F1B,
-        planned and priced where the layer stack has a layer for each stage and the
-        microbatches come in whole rounds; appends to ``tried`` and ``options``, returns
-        the index kept."""
+        planned and priced where the layer stack has a layer for each stage, the
+        microbatches come in whole rounds, and the kept stages cut in halves are predicted
+        to be ``CUT_MIN_GAIN`` faster (cost/pipeline.py's ``halved_stages_step``); appends
+        to ``tried`` and ``options``, returns the index kept."""
         _, input_fn, mesh, *_ = self._whole
         kept = tried[best][0]["_setting"]
         setting = dataclasses.replace(
@@ -291,6 +290,12 @@ class PipelinePlanning:
         try:
             check_setting(setting, input_fn(), mesh)
         except PipelineError:
+            return best
+        prices = tried[best][2]
+        if any(p is None for p in prices):
+            return best
+        guess = halved_stages_step(prices, kept.microbatches, INTERLEAVED_STAGES_PER_RANK)
+        if guess > (1 - CUT_MIN_GAIN) * options[best].step_us:
             return best
         state, plan, prices = self._priced(setting, calls, verbose, errors)
         tried.append((state, plan, prices))

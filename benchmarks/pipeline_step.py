@@ -2,6 +2,7 @@
 and its losses against it.
 
     python -m benchmarks.pipeline_step --model llama-tiny --batch 16 --steps 10 --rounds 2
+    python -m benchmarks.pipeline_step --layers 4 --variants 1f1b:4 interleaved-1f1b:4 auto
 
 On 4 ranks, in one set of processes, timed round-robin (``workloads.round_robin``):
 
@@ -10,7 +11,9 @@ On 4 ranks, in one set of processes, timed round-robin (``workloads.round_robin`
   the model cut into S stages at its layer stack, each stage planned on dp, run by
   torch.distributed.pipelining's schedule over M microbatches; ``pp<S>-auto``: the
   schedule, microbatches and cuts the planner chooses (``--variants``: ``[Sx]schedule:M``
-  or ``[Sx]auto``; default 2 stages with 1f1b over 2 and 4, gpipe over 4, and auto).
+  or ``[Sx]auto``; default 2 stages with 1f1b over 2 and 4, gpipe over 4, and auto);
+  ``interleaved-1f1b`` runs two stages on each of the S pp ranks (``--layers``: a stack of
+  at least 2S layers).
 
 Every variant starts from the same init (seed 0, built on CPU: a stage cut from a meta
 model cannot run ``init_weights`` yet, see docs/architecture.md) and trains the same global
@@ -20,8 +23,10 @@ question ``<model>-4r-<variant>``, with each variant's predicted step beside its
 measured one (``predicted_ms``: the pipeline's ``plan.pipeline.cost.step_us``, dp's
 ``plan.totals``; priced on ``--hardware``, a preset or a calibrated profile), and the bytes
 of activations held at once on the first stage's rank 0 and the last stage's last rank
-(``measure_activation_peak`` over one more step) beside ``plan.pipeline.memory.activations``
-(the microbatches in flight under the schedule). The last stage's measurement also holds
+(``measure_activation_peak`` over one more step, over all of the rank's stages) beside the
+rank's predicted peak (``cost/pipeline.py``'s ``rank_activation_peak``: each stage's
+microbatch bytes held from its forward to its backward in the schedule's order; with one
+stage per rank, ``plan.pipeline.memory.activations``). The last stage's measurement also holds
 what the loss saves, which is outside the model and not priced. On a 2-core host 4 ranks share 2 cores, and a
 pipeline's bubble leaves ranks idle that other ranks can then use: read the ratio as this
 host's, not a GPU cluster's.
@@ -42,6 +47,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel
+from autoparallel.cost.pipeline import rank_activation_peak
+from autoparallel.models import Llama, llama_config
 from autoparallel.runtime.launch import run_distributed
 from autoparallel.runtime.memory import measure_activation_peak
 from benchmarks.results import record
@@ -101,6 +108,20 @@ def _pipelined(workload: Any, variant: Variant, hardware: str) -> Any:
     return mesh, pipe, plan.pipeline
 
 
+def _rank_activations(pipeline: Any) -> float:
+    """The activation bytes this rank is predicted to hold at once over its stages."""
+    per_microbatch = [m.activations / m.in_flight for m in pipeline.stage_memory]
+    rank = pipeline.stage_index % pipeline.ranks
+    return rank_activation_peak(
+        pipeline.schedule,
+        rank,
+        pipeline.ranks,
+        pipeline.stages_per_rank,
+        pipeline.microbatches,
+        per_microbatch,
+    )
+
+
 def _pipeline_step(pipe: Any, inputs: Any, targets: Any, losses: list[float]) -> Any:
     optimizer = make_optimizer(pipe)
 
@@ -116,8 +137,16 @@ def _pipeline_step(pipe: Any, inputs: Any, targets: Any, losses: list[float]) ->
     return step
 
 
-def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, Any]) -> Any:
+def _workload(model: str, batch: int, layers: int | None) -> Any:
     workload = replace(WORKLOADS[model], batch=batch)
+    if layers is None:
+        return workload
+    preset = model.removeprefix("llama-")
+    return replace(workload, build=lambda: Llama(llama_config(preset, n_layers=layers)))
+
+
+def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, Any]) -> Any:
+    workload = _workload(model, batch, args["layers"])
     inputs, targets = workload.global_batch()
     runs: dict[str, TimedRun] = {}
     losses: dict[str, list[float]] = {}
@@ -155,7 +184,7 @@ def _rank(rank: int, world_size: int, model: str, batch: int, args: dict[str, An
         runs[name] = TimedRun(
             _pipeline_step(pipe, inputs[mine], targets[mine], losses[name]), None, {}
         )
-        activations[name] = (pipe.module, pipeline.memory.activations)
+        activations[name] = (torch.nn.ModuleList(pipe.modules), _rank_activations(pipeline))
     timings = round_robin(runs, args["rounds"], args["steps"] // args["rounds"], args["warmup"])
     # the first step's loss of the whole batch: dp's ranks each hold their rows' mean, the
     # pipeline's last-stage ranks their share (already divided by dp), the others 0
@@ -185,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-tiny", choices=["llama-tiny", "llama-small"])
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--layers", type=int, default=None, help="the LLaMA's layers (default: the preset's)"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
@@ -196,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
-    keys = ("variants", "rounds", "steps", "warmup", "hardware")
+    keys = ("variants", "rounds", "steps", "warmup", "hardware", "layers")
     settings = {k: getattr(args, k) for k in keys}
     results = run_distributed(
         _rank, NPROC, args.model, args.batch, settings, timeout_s=args.timeout
@@ -205,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {name: statistics.median(rank0["all_ms"][name]) for name in rank0["all_ms"]}
     reference = rank0["first_loss"]["dp"]
     records = []
+    model = args.model if args.layers is None else f"{args.model}-{args.layers}-layers"
     for name, step_ms in steps.items():
         if name == "dp":
             continue
@@ -231,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(line))
         records.append(
             {
-                "question": f"{args.model}-4r-{name}",
+                "question": f"{model}-4r-{name}",
                 "what": (
                     f"step time, ours as {line['pipeline']} on 4 ranks ({name}) / ours on "
-                    f"4 dp ranks, {args.model}, batch {args.batch}, 4 gloo ranks on this "
+                    f"4 dp ranks, {model}, batch {args.batch}, 4 gloo ranks on this "
                     "host, round-robin"
                 ),
                 "figure": line["ratio"],

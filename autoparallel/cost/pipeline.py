@@ -22,6 +22,7 @@ the ``pp`` dim's link, charged to the stage that sends.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from autoparallel.cost.topology import Topology
@@ -109,6 +110,25 @@ def microbatches_in_flight(
             held += 1 if kind == "forward" else -1
             most = max(most, held)
     return most
+
+
+def rank_activation_peak(
+    schedule: ScheduleName,
+    rank: int,
+    ranks: int,
+    stages_per_rank: int,
+    microbatches: int,
+    microbatch_bytes: Sequence[float],
+) -> float:
+    """The most activation bytes pp rank ``rank`` holds at once over its stages: each
+    forward of stage ``s`` keeps ``microbatch_bytes[s]`` until that microbatch's backward
+    on ``s``, in the rank's order (``rank_order``). With one stage per rank, that stage's
+    microbatches in flight times its bytes."""
+    held = peak = 0.0
+    for stage, kind, _ in rank_order(schedule, rank, ranks, stages_per_rank, microbatches):
+        held += microbatch_bytes[stage] if kind == "forward" else -microbatch_bytes[stage]
+        peak = max(peak, held)
+    return peak
 
 
 def timeline(
@@ -232,6 +252,26 @@ def balanced_layers(
         lightest = min(range(len(split)), key=lambda i: base[i] + (split[i] + 1) * layer)
         split[lightest] += 1
     return tuple(split), max(b + n * layer for b, n in zip(base, split))
+
+
+def halved_stages_step(
+    prices: Sequence[StagePrice], microbatches: int, stages_per_rank: int
+) -> float:
+    """A first guess of the step with each stage's work cut into ``stages_per_rank`` equal
+    stages, in model order, under interleaved 1F1B (each cut's extra sends left out): what
+    decides whether that setting is worth a cut and a plan of its own."""
+    pieces = [
+        dataclasses.replace(
+            p,
+            microbatch_us=p.microbatch_us / stages_per_rank,
+            forward_us=p.forward_us / stages_per_rank,
+            optimizer_us=p.optimizer_us / stages_per_rank,
+        )
+        for p in prices
+        for _ in range(stages_per_rank)
+    ]
+    cost, _ = price_stages("interleaved-1f1b", microbatches, pieces, stages_per_rank)
+    return cost.step_us
 
 
 def choose_option(options: Sequence[PipelineOption], budget_bytes: float | None) -> int:
