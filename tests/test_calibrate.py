@@ -76,6 +76,19 @@ def test_the_fit_recovers_latency_and_bandwidth_from_noisy_timings(collective):
     assert 0.0 < fit.max_error < 0.1
 
 
+def test_a_send_receive_is_fitted_as_one_message_each_way():
+    """A point-to-point exchange pays its fixed cost once and moves its bytes once, whatever
+    the dim's size: the pipeline's price of a cut (cost/pipeline.py's transfer_us)."""
+    noise = random.Random(1)
+    samples = [
+        CollectiveSample("send_recv", 2, n, (40.0 + n / 3e9 * 1e6) * noise.uniform(0.97, 1.03))
+        for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 26)
+    ]
+    fit = fit_collective("intra", "send_recv", samples)
+    assert fit.latency_us == pytest.approx(40.0, rel=0.1)
+    assert fit.bandwidth == pytest.approx(3e9, rel=0.1)
+
+
 def test_the_fit_stays_physical_at_the_ends():
     flat = [CollectiveSample("all_reduce", 2, n, 500.0) for n in (1 << 10, 1 << 12, 1 << 14)]
     latency_only = fit_collective("intra", "all_reduce", flat)
@@ -270,8 +283,18 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     calibration = ranks(2).run(_calibrate_rank, QUICK, timeout_s=240)[0]
     hardware = calibration.hardware
     assert {(f.link, f.collective) for f in hardware.collectives} == {
-        ("intra", c) for c in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+        ("intra", c)
+        for c in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
     }
+    # a pipeline's cut is priced on the measured send-receive, not on a collective's fit
+    from autoparallel.cost.pipeline import transfer_us
+    from autoparallel.cost.topology import Topology
+
+    exchange = hardware.collective_fit("intra", "send_recv")
+    topology = Topology((2,), hardware, gpus_per_node=2)
+    assert transfer_us(1 << 20, topology) == pytest.approx(
+        exchange.latency_us + (1 << 20) / exchange.bandwidth * 1e6
+    )
     assert (
         hardware.flops_fp32 > 0 and hardware.kernel_launch_us > 0 and hardware.devices_per_node == 2
     )
@@ -344,7 +367,7 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     measured, data, problem = plan(str(path))
     preset, _, _ = plan("cpu")
     assert data["hardware"]["source"] == str(path) and data["hardware"]["gpus_per_node"] == 2
-    assert len(data["hardware"]["collectives"]) == 4
+    assert len(data["hardware"]["collectives"]) == 5  # four collectives and the send-receive
     # its matmuls priced by the measured table, which the plan's JSON and log name
     assert data["hardware"]["matmul_table"]["shapes"] == len(QUICK.matmul_grid) ** 3
     assert any("matmuls priced by a measured table" in line for line in hardware_lines(data))

@@ -27,7 +27,7 @@ import torch.fx as fx
 from autoparallel._torch_internals import OpOverload
 from autoparallel.cost.collectives import RING_PASSES
 from autoparallel.cost.compute import compute_cost_us, is_free_op, priced_by_table
-from autoparallel.cost.hardware import CollectiveFit, Hardware
+from autoparallel.cost.hardware import SEND_RECV, CollectiveFit, Hardware
 from autoparallel.graph.fx_args import map_args
 from autoparallel.types.tensors import TensorInfo
 
@@ -56,11 +56,15 @@ def fit_collective(
     usable = [s for s in samples if s.group_size > 1 and s.time_us > 0]
     if not usable:
         raise ValueError(f"no timing of {collective} over 2 or more ranks to fit")
-    passes = RING_PASSES[collective]
-    steps = np.array([passes * (s.group_size - 1) for s in usable], dtype=float)
-    volume = np.array(
-        [passes * (s.group_size - 1) / s.group_size * s.nbytes for s in usable], dtype=float
-    )
+    if collective == SEND_RECV:  # one message each way: its fixed cost and its bytes
+        steps = np.ones(len(usable))
+        volume = np.array([s.nbytes for s in usable], dtype=float)
+    else:
+        passes = RING_PASSES[collective]
+        steps = np.array([passes * (s.group_size - 1) for s in usable], dtype=float)
+        volume = np.array(
+            [passes * (s.group_size - 1) / s.group_size * s.nbytes for s in usable], dtype=float
+        )
     times = np.array([s.time_us for s in usable], dtype=float)
     latency, slope = _weighted_fit(steps, volume, times)
     predicted = latency * steps + slope * volume

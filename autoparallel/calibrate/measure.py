@@ -2,9 +2,9 @@
 
 Every rank calls every function. Collectives are timed per mesh dim as the runtime issues them:
 torch's functional collectives (out of place, then waited on; ``_torch_internals``) for
-all-gather, reduce-scatter and all-reduce, and DTensor's own shard-to-shard move for the
+all-gather, reduce-scatter and all-reduce, DTensor's own shard-to-shard move for the
 all-to-all (on a CPU mesh DTensor runs it as an all-gather and a chunk copy, and that is what
-the runtime pays), each call after a stretch of compute as a step issues it
+the runtime pays), and ``batch_isend_irecv`` between neighbours for a pipeline's send-receive, each call after a stretch of compute as a step issues it
 (``STEP_GAP_US``), and the mean over ranks counts. The device's figures (matmuls, memory
 bandwidth, per-op cost, the optimizer step, the runtime's own work) are in
 :mod:`autoparallel.calibrate.measure_device`, timed with the functions here.
@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel import _torch_internals as internals
 from autoparallel.calibrate.fit import CollectiveSample
+from autoparallel.cost.hardware import SEND_RECV
 
 PROBE_DTYPE = torch.float32
 """The dtype of the probes' buffers (collectives, memory bandwidth)."""
@@ -166,7 +167,7 @@ def time_collective(
 
     ``nbytes`` is the full buffer in the cost model's convention: the gathered output of an
     all-gather, the unscattered input of a reduce-scatter, the buffer of an all-reduce, each
-    rank's local buffer of an all-to-all.
+    rank's local buffer of an all-to-all, the message of a send-receive.
     """
     ranks = mesh.size(mesh_dim)
     device = torch.device(mesh.device_type)
@@ -180,11 +181,36 @@ def time_collective(
         "reduce_scatter": lambda: internals.reduce_scatter_sum(full, mesh, mesh_dim),
         "all_reduce": lambda: internals.all_reduce_sum(full, mesh, mesh_dim),
         "all_to_all": lambda: internals.shard_to_shard(block, mesh, mesh_dim),
+        SEND_RECV: _exchange(full, mesh, mesh_dim),
     }
     gap = _gap(device, STEP_GAP_US)
     dist.barrier()
     time_us = _mean_after_gap_us(calls[collective], gap, repeats, device)
     return CollectiveSample(collective, ranks, float(numel * PROBE_DTYPE.itemsize), time_us)
+
+
+def _exchange(buffer: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> Callable[[], None]:
+    """One point-to-point exchange of ``buffer`` with this rank's neighbour along
+    ``mesh_dim`` (coordinates 0 and 1 pair up, 2 and 3, ...), sent and received at once
+    with torch's ``batch_isend_irecv``, as torch.distributed.pipelining passes a stage's
+    activations and gradients; a rank without a neighbour (the last of an odd dim) waits."""
+    group = mesh.get_group(mesh_dim)
+    coordinate, size = mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
+    partner = coordinate ^ 1
+    received = torch.empty_like(buffer)
+    if partner >= size:
+        return lambda: None
+    peer = dist.get_global_rank(group, partner)
+
+    def exchange() -> None:
+        ops = [
+            dist.P2POp(dist.isend, buffer, peer, group),
+            dist.P2POp(dist.irecv, received, peer, group),
+        ]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+    return exchange
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from autoparallel.calibrate.run_device import (
     time_runtime,
 )
 from autoparallel.calibrate.settings import CalibrationSettings
-from autoparallel.cost.hardware import COLLECTIVES, CPU, CollectiveFit, Hardware
+from autoparallel.cost.hardware import CPU, FITTED_KINDS, CollectiveFit, Hardware
 from autoparallel.cost.profile import write_profile
 from autoparallel.cost.topology import Topology
 
@@ -231,7 +231,7 @@ def _time_collectives(
         if ranks == 1:
             continue
         link = topology.link(mesh_dim)
-        for collective in COLLECTIVES:
+        for collective in FITTED_KINDS:
             per_size = _time_sizes(collective, mesh, mesh_dim, settings)
             for timings in per_size:
                 sample = dataclasses.replace(
@@ -292,7 +292,7 @@ def _fit_links(
 ) -> list[CollectiveFit]:
     fits = []
     for link, link_samples in by_link.items():
-        for collective in COLLECTIVES:
+        for collective in FITTED_KINDS:
             fit = fit_collective(
                 link, collective, [s for s in link_samples if s.collective == collective]
             )

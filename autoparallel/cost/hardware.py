@@ -19,6 +19,8 @@ __all__ = [
     "A100",
     "B200",
     "COLLECTIVES",
+    "FITTED_KINDS",
+    "SEND_RECV",
     "CPU",
     "H100",
     "H200",
@@ -29,6 +31,12 @@ __all__ = [
 ]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+SEND_RECV = "send_recv"
+"""A point-to-point exchange between two ranks (each sends to the other and receives from
+it, as a pipeline stage passes activations one way and gradients the other): what a
+pipeline's cut pays per microbatch (cost/pipeline.py)."""
+FITTED_KINDS = (*COLLECTIVES, SEND_RECV)
+"""What a calibrated profile fits a latency and a bandwidth for, per link class."""
 LINKS = ("intra", "inter")
 
 
@@ -38,12 +46,13 @@ class CollectiveFit:
 
     ``latency_us`` is the cost of one ring step and ``bandwidth`` the bytes/s one rank pushes
     over its link, in the ring model of ``cost/collectives.py`` (so a fit from a group of 2
-    ranks predicts a group of 8 the way the datasheet figures do). ``max_error`` is the largest
-    relative error of the fit over the sizes measured (0.1: within 10 %).
+    ranks predicts a group of 8 the way the datasheet figures do); for ``SEND_RECV``, one
+    message's fixed cost and the bytes/s it moves. ``max_error`` is the largest relative
+    error of the fit over the sizes measured (0.1: within 10 %).
     """
 
     link: str  # "intra" or "inter" (node)
-    collective: str  # one of COLLECTIVES
+    collective: str  # one of FITTED_KINDS
     latency_us: float
     bandwidth: float
     max_error: float = 0.0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from autoparallel.cost.hardware import SEND_RECV
 from autoparallel.cost.topology import Topology
 from autoparallel.types.pipeline import (
     PassKind,
@@ -38,10 +39,12 @@ from autoparallel.types.pipeline import (
 
 
 def transfer_us(nbytes: float, topology: Topology, mesh_dim: int = 0) -> float:
-    """One point-to-point send of ``nbytes`` along ``mesh_dim`` (the pp dim)."""
+    """One point-to-point send of ``nbytes`` along ``mesh_dim`` (the pp dim): the profile's
+    send-receive fit where it has one (``autoparallel calibrate``), else the link's figures."""
     if nbytes <= 0:
         return 0.0
-    return topology.latency_us(mesh_dim) + nbytes / topology.bandwidth(mesh_dim) * 1e6
+    latency = topology.latency_us(mesh_dim, SEND_RECV)
+    return latency + nbytes / topology.bandwidth(mesh_dim, SEND_RECV) * 1e6
 
 
 Pass = tuple[int, PassKind, int]

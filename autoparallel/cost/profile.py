@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from autoparallel.cost.hardware import COLLECTIVES, LINKS, CollectiveFit, Hardware
+from autoparallel.cost.hardware import FITTED_KINDS, LINKS, CollectiveFit, Hardware
 from autoparallel.cost.matmul_table import MatmulTable
 
 FORMAT = "autoparallel-hardware-profile"
@@ -97,9 +97,9 @@ def _collective_fit(entry: Any, where: str) -> CollectiveFit:
     link, collective = entry.get("link"), entry.get("collective")
     if link not in LINKS:
         raise ProfileError(f"{where}.link is {link!r}; expected one of {', '.join(LINKS)}")
-    if collective not in COLLECTIVES:
+    if collective not in FITTED_KINDS:
         raise ProfileError(
-            f"{where}.collective is {collective!r}; expected one of {', '.join(COLLECTIVES)}"
+            f"{where}.collective is {collective!r}; expected one of {', '.join(FITTED_KINDS)}"
         )
     return CollectiveFit(
         link,
