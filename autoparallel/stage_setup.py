@@ -272,7 +272,7 @@ def stage_price(
     setup: StageSetup, plan: Plan, joint: JointGraph, outputs: list[Any], whole: Topology
 ) -> StagePrice:
     """The stage's plan as the pipeline prices it: its step less the optimizer, split into
-    forward and backward as its nodes' prices are, plus its sends on the pp dim (its outputs
+    forward and backward as its nodes' prices are, and its sends on the pp dim (its outputs
     forward, its inputs' gradients back), per microbatch; its memory (the plan's, which
     counts the microbatches in flight)."""
     ahead = [t for t in outputs if isinstance(t, torch.Tensor)] if not setup.is_last else []
@@ -288,12 +288,14 @@ def stage_price(
     totals, memory = plan.totals, plan.memory
     body, share = totals.total_us - totals.optimizer_us, _forward_share(plan)
     return StagePrice(
-        microbatch_us=body + sent_us(ahead) + sent_us(back),
-        forward_us=body * share + sent_us(ahead),
+        microbatch_us=body,
+        forward_us=body * share,
         optimizer_us=totals.optimizer_us,
         peak_bytes=None if memory is None else float(memory.peak),
         activation_bytes=None if memory is None else float(memory.activations),
         layer_us=_layer_us(plan, joint, setup.stage.layers, share),
+        send_forward_us=sent_us(ahead),
+        send_backward_us=sent_us(back),
     )
 
 

@@ -203,10 +203,15 @@ def test_a_pipelined_plan_says_its_stages(fake_mesh):
         0,
     )
     assert pipeline["stages"] == [["layers.0"], ["layers.1"]]
-    # both stages priced: the first's time is this plan's step less its optimizer, plus its send
+    # both stages priced: the first's time is this plan's step less its optimizer; its send
+    # of the hidden states delays the second stage's forward, not its own work
     cost = plan.pipeline.cost
     assert len(cost.stage_microbatch_us) == 2
-    assert cost.stage_microbatch_us[0] > plan.totals.total_us - plan.totals.optimizer_us
+    assert cost.stage_microbatch_us[0] == pytest.approx(
+        plan.totals.total_us - plan.totals.optimizer_us
+    )
+    first = {(b.stage, b.kind, b.microbatch): b for b in cost.timeline}
+    assert first[(1, "forward", 0)].start_us > first[(0, "forward", 0)].end_us
     # the schedule played out: 2 stages x 2 microbatches x (forward, backward), drawn in
     # the report's pipeline section
     assert len(cost.timeline) == 8

@@ -17,7 +17,8 @@ its ``M`` passes. 1F1B holds fewer microbatches' activations at once. Interleave
 bubble towards ``(ranks - 1) * (f + b) / v`` for the price of ``v`` times the sends and more
 activations in flight on the early ranks (``rank_order``). Each cut costs a
 point-to-point send of its tensors forward and of their gradients back per microbatch, on
-the ``pp`` dim's link, charged to the stage that sends.
+the ``pp`` dim's link (``transfer_us``): torch's schedules send asynchronously, so a send
+delays the stage that receives it, not the one that sends.
 """
 
 from __future__ import annotations
@@ -140,12 +141,17 @@ def timeline(
     backward_us: Sequence[float],
     microbatches: int,
     stages_per_rank: int = 1,
+    sends_us: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[TimelineBlock, ...]:
     """Every stage's passes in time, each rank running its own in ``rank_order``: a pass
     starts when its rank is free and its input is there (a forward once the stage before ran
-    it, a backward once the stage after did; the last stage's once its own forward did)."""
+    it and sent its output, a backward once the stage after ran its own and sent the
+    gradient back; the last stage's once its own forward did). ``sends_us``: each stage's
+    send of one microbatch's outputs forward and of its inputs' gradients back; a send
+    delays its receiver, not its sender (torch's schedules send asynchronously)."""
     stages = len(forward_us)
     ranks = stages // stages_per_rank
+    ahead, back = sends_us or ([0.0] * stages, [0.0] * stages)
     orders = [rank_order(schedule, r, ranks, stages_per_rank, microbatches) for r in range(ranks)]
     done: dict[Pass, float] = {}
     free, nxt = [0.0] * ranks, [0] * ranks
@@ -159,7 +165,13 @@ def timeline(
             needs = _needs(stage, kind, m, stages)
             if needs is not None and needs not in done:
                 continue  # the pass it waits for is not placed yet
-            start = max(free[r], 0.0 if needs is None else done[needs])
+            arrives = 0.0
+            if needs is not None:
+                sent = needs[0] != stage
+                arrives = done[needs] + (
+                    0.0 if not sent else ahead[needs[0]] if kind == "forward" else back[needs[0]]
+                )
+            start = max(free[r], arrives)
             end = start + (forward_us[stage] if kind == "forward" else backward_us[stage])
             blocks.append(TimelineBlock(stage, m, kind, start, end))
             done[(stage, kind, m)], free[r], nxt[r] = end, end, nxt[r] + 1
@@ -185,12 +197,14 @@ def pipeline_cost(
     optimizer_us: Sequence[float],
     microbatches: int,
     stages_per_rank: int = 1,
+    sends_us: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> PipelineCost:
     """The step of ``microbatches`` through stages whose forward and backward of one
     microbatch take ``forward_us`` and ``backward_us`` (see the module docstring);
-    ``optimizer_us``: each stage's optimizer step. The bubble is the time the busiest rank
-    waits; a rank steps the optimizer of each of its stages."""
-    blocks = timeline(schedule, forward_us, backward_us, microbatches, stages_per_rank)
+    ``optimizer_us``: each stage's optimizer step; ``sends_us``: see ``timeline``. The
+    bubble is the time the busiest rank waits; a rank steps the optimizer of each of its
+    stages."""
+    blocks = timeline(schedule, forward_us, backward_us, microbatches, stages_per_rank, sends_us)
     flow = max(block.end_us for block in blocks)
     per_stage = [f + b for f, b in zip(forward_us, backward_us)]
     ranks = len(per_stage) // stages_per_rank
@@ -220,6 +234,7 @@ def price_stages(
         [p.optimizer_us for p in prices],
         microbatches,
         stages_per_rank,
+        ([p.send_forward_us for p in prices], [p.send_backward_us for p in prices]),
     )
     memory = tuple(
         None

@@ -127,9 +127,10 @@ class PipelineCost:
 @dataclass(frozen=True)
 class StagePrice:
     """One stage's plan as the pipeline prices it (us; bytes per device): one microbatch's
-    forward and backward with the stage's sends on the pp link, its optimizer step, and its
-    peak memory and activations' bytes with the microbatches its schedule keeps in flight
-    (None without a memory estimate)."""
+    forward and backward, its optimizer step, its sends on the pp link of one microbatch's
+    outputs forward and of its inputs' gradients back, and its peak memory and
+    activations' bytes with the microbatches its schedule keeps in flight (None without a
+    memory estimate)."""
 
     microbatch_us: float
     forward_us: float  # the forward's part of microbatch_us
@@ -138,6 +139,8 @@ class StagePrice:
     activation_bytes: float | None = None
     # one of its numbered layers' forward and backward (None: the stage has none)
     layer_us: float | None = None
+    send_forward_us: float = 0.0
+    send_backward_us: float = 0.0
 
 
 @dataclass(frozen=True)
