@@ -91,6 +91,24 @@ class _ConstraintCall:
     names: tuple[str, ...]
 
 
+Priced = tuple[dict[str, Any], Plan | None, list[StagePrice | None]]
+"""A setting planned: what ``_priced`` left on the object (``_state``), the plan of this
+rank's first stage, and every stage's price."""
+
+
+@dataclass
+class _Search:
+    """The settings one ``optimize_placement`` has planned and priced so far (``tried[i]``
+    priced as ``options[i]``), and what planning another one needs."""
+
+    tried: list[Priced]
+    options: list[PipelineOption]
+    calls: list[_ConstraintCall]
+    verbose: bool
+    errors: list[InfeasibleConstraintsError]
+    budget: float | None
+
+
 def _cut_by(setting: PipelineConfig) -> tuple[Any, ...]:
     """What of a setting decides the cut (all but the schedule)."""
     return (setting.microbatches, setting.stage_layers, setting.stages_per_rank or 1)
@@ -230,11 +248,12 @@ class PipelinePlanning:
         tried = [self._priced(setting, calls, verbose, errors) for setting in settings]
         options = [self._option(state, prices) for state, _, prices in tried]
         budget = self.sharding_optimizer.problem.memory_budget
+        search = _Search(tried, options, calls, verbose, errors, budget)
         best = choose_option(options, budget)
         if best >= 0 and replayable and self._interleaving_open():
-            best = self._interleaved(tried, options, calls, verbose, errors, budget, best)
+            best = self._interleaved(search, best)
         if best >= 0 and replayable and self.pipeline_config.stage_layers is None:
-            best = self._even_out(tried, options, calls, verbose, errors, budget, best)
+            best = self._even_out(search, best)
         if best < 0:
             raise errors[0] if errors else InfeasibleConstraintsError([], [])
         state, plan, prices = tried[best]
@@ -264,73 +283,56 @@ class PipelinePlanning:
         config = self.pipeline_config
         return (config.schedule, config.stages_per_rank, config.stage_layers) == (None,) * 3
 
-    def _interleaved(
-        self,
-        tried: list[tuple[dict[str, Any], Plan | None, list[StagePrice | None]]],
-        options: list[PipelineOption],
-        calls: list[_ConstraintCall],
-        verbose: bool,
-        errors: list[InfeasibleConstraintsError],
-        budget: float | None,
-        best: int,
-    ) -> int:
+    def _interleaved(self, search: _Search, best: int) -> int:
         """The kept setting's microbatches with two stages per rank under interleaved 1F1B,
         planned and priced where the layer stack has a layer for each stage, the
         microbatches come in whole rounds, and the kept stages cut in halves are predicted
-        to be ``CUT_MIN_GAIN`` faster (cost/pipeline.py's ``halved_stages_step``); appends
-        to ``tried`` and ``options``, returns the index kept."""
+        to be ``CUT_MIN_GAIN`` faster (cost/pipeline.py's ``halved_stages_step``); returns
+        the index kept."""
         _, input_fn, mesh, *_ = self._whole
-        kept = tried[best][0]["_setting"]
+        state, _, prices = search.tried[best]
+        kept = state["_setting"]
         setting = dataclasses.replace(
             kept, schedule=INTERLEAVED, stages_per_rank=INTERLEAVED_STAGES_PER_RANK
         )
-        layers = sum(len(stage.layers) for stage in tried[best][0]["_cut"].stages)
-        if layers < mesh.shape[0] * INTERLEAVED_STAGES_PER_RANK:
+        layers = sum(len(stage.layers) for stage in state["_cut"].stages)
+        if layers < mesh.shape[0] * INTERLEAVED_STAGES_PER_RANK or any(p is None for p in prices):
             return best
         try:
             check_setting(setting, input_fn(), mesh)
         except PipelineError:
             return best
-        prices = tried[best][2]
-        if any(p is None for p in prices):
-            return best
         guess = halved_stages_step(prices, kept.microbatches, INTERLEAVED_STAGES_PER_RANK)
-        if guess > (1 - CUT_MIN_GAIN) * options[best].step_us:
+        if guess > (1 - CUT_MIN_GAIN) * search.options[best].step_us:
             return best
-        state, plan, prices = self._priced(setting, calls, verbose, errors)
-        tried.append((state, plan, prices))
-        options.append(self._option(state, prices))
-        return choose_option(options, budget)
+        return self._price_another(search, setting)
 
-    def _even_out(
-        self,
-        tried: list[tuple[dict[str, Any], Plan | None, list[StagePrice | None]]],
-        options: list[PipelineOption],
-        calls: list[_ConstraintCall],
-        verbose: bool,
-        errors: list[InfeasibleConstraintsError],
-        budget: float | None,
-        best: int,
-    ) -> int:
+    def _even_out(self, search: _Search, best: int) -> int:
         """The cuts: from the kept setting's stage prices, the layers per stage that even
         them out (cost/pipeline.py's ``balanced_layers``) are planned and priced, again from
         the new kept one, until a split comes back or is predicted to gain less than
-        ``CUT_MIN_GAIN`` (at most ``CUT_ROUNDS`` new splits);
-        appends to ``tried`` and ``options``, returns the index kept."""
+        ``CUT_MIN_GAIN`` (at most ``CUT_ROUNDS`` new splits); returns the index kept."""
         for _ in range(CUT_ROUNDS):
-            state, _, prices = tried[best]
+            state, _, prices = search.tried[best]
             if any(p is None for p in prices):
                 break
-            split, slowest = balanced_layers(prices, options[best].stage_layers)
+            split, slowest = balanced_layers(prices, search.options[best].stage_layers)
             now = max(p.microbatch_us for p in prices)
-            if slowest > (1 - CUT_MIN_GAIN) * now or any(o.stage_layers == split for o in options):
+            if slowest > (1 - CUT_MIN_GAIN) * now or any(
+                o.stage_layers == split for o in search.options
+            ):
                 break
-            setting = dataclasses.replace(state["_setting"], stage_layers=split)
-            state, plan, prices = self._priced(setting, calls, verbose, errors)
-            tried.append((state, plan, prices))
-            options.append(self._option(state, prices))
-            best = choose_option(options, budget)
+            best = self._price_another(
+                search, dataclasses.replace(state["_setting"], stage_layers=split)
+            )
         return best
+
+    def _price_another(self, search: _Search, setting: PipelineConfig) -> int:
+        """Plan and price ``setting`` into ``search``; the index of the option kept now."""
+        priced = self._priced(setting, search.calls, search.verbose, search.errors)
+        search.tried.append(priced)
+        search.options.append(self._option(priced[0], priced[2]))
+        return choose_option(search.options, search.budget)
 
     def _priced(
         self,
@@ -338,7 +340,7 @@ class PipelinePlanning:
         calls: list[_ConstraintCall],
         verbose: bool,
         errors: list[InfeasibleConstraintsError],
-    ) -> tuple[dict[str, Any], Plan | None, list[StagePrice | None]]:
+    ) -> Priced:
         """Plan this rank's stages under ``setting`` (its first on this object, entering
         again for another than the current setting, ``calls`` replayed; its others, with
         more than one stage per rank, on objects of their own kept in ``_local_stages``)

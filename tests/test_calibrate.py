@@ -288,7 +288,6 @@ def test_a_profile_measured_on_gloo_ranks_prices_the_plan(ranks, fake_mesh, tmp_
     }
     # a pipeline's cut is priced on the measured send-receive, not on a collective's fit
     from autoparallel.cost.pipeline import transfer_us
-    from autoparallel.cost.topology import Topology
 
     exchange = hardware.collective_fit("intra", "send_recv")
     topology = Topology((2,), hardware, gpus_per_node=2)

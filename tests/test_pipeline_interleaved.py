@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.pipeline_cases import torch_order
 
 from autoparallel import AutoParallel
 from autoparallel.cost.pipeline import microbatches_in_flight, pipeline_cost, rank_order
@@ -25,15 +26,7 @@ def _torch_order(ranks: int, per_rank: int, microbatches: int) -> dict[int, list
         for k in range(per_rank)
     ]
     schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=lambda out, tgt: out.sum())
-    kinds = {"FORWARD": "forward", "FULL_BACKWARD": "backward"}
-    return {
-        rank: [
-            (a.stage_index, kinds[a.computation_type.name], a.microbatch_index)
-            for a in actions
-            if a is not None and a.computation_type.name in kinds
-        ]
-        for rank, actions in schedule.pipeline_order.items()
-    }
+    return torch_order(schedule)
 
 
 def test_the_priced_order_of_passes_is_torchs(fake_mesh):

@@ -143,7 +143,7 @@ def train_pipelined(
         "whole_model_on_meta": all(t.is_meta for t in (*model.parameters(), *model.buffers())),
         "stage": plan.pipeline.stage_index,
         "rank_stages": plan.pipeline.rank_stages,
-        "order": _order(pipe.schedule),
+        "order": torch_order(pipe.schedule),
         "stages": plan.pipeline.stages,
         "losses": losses,
         "grads": grads,
@@ -157,7 +157,7 @@ def _full_params(pipe: Any) -> dict[str, torch.Tensor]:
     return {k: v for module in pipe.modules for k, v in full_params(module).items()}
 
 
-def _order(schedule: Any) -> dict[int, list[tuple[int, str, int]]] | None:
+def torch_order(schedule: Any) -> dict[int, list[tuple[int, str, int]]] | None:
     """torch's own order of every rank's passes (multi-stage schedules only): (stage,
     "forward"/"backward", microbatch), to compare with cost/pipeline.py's."""
     order = getattr(schedule, "pipeline_order", None)
