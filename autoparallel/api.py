@@ -151,6 +151,7 @@ class AutoParallel(PipelinePlanning):
         self._stage_index: int | None = None
         self.stage_setup: StageSetup | None = None
         self._local_stages = ()
+        self._tracer = None
         # the user's constraint calls since __enter__, replayed on another setting's stage
         self._calls = []
         self._entered_constraints: set[str] = set()

@@ -58,6 +58,7 @@ from autoparallel.stage_setup import (
     same_stage_graph,
     stage_price,
 )
+from autoparallel.trace.stages import StageTracer
 from autoparallel.types.pipeline import (
     INTERLEAVED,
     PipelineConfig,
@@ -142,6 +143,8 @@ class PipelinePlanning:
     # with several stages per rank: this rank's other stages, each planned on an object of
     # its own, with its plan (apply_placement builds their modules beside this one's)
     _local_stages: tuple[tuple[Any, Plan], ...]
+    # cuts the whole model, keeping one export per microbatch shape (made on first use)
+    _tracer: StageTracer | None
     _whole_topology: Topology
     _calls: list[_ConstraintCall]
 
@@ -151,8 +154,10 @@ class PipelinePlanning:
             inputs = input_fn()
             if self._setting is None:
                 self._setting = pipeline_settings(inputs, mesh, self.pipeline_config)[0]
+            if self._tracer is None:
+                self._tracer = StageTracer(model, self._dtype())
             self._cut = self._timed(
-                "cut", lambda: cut_model(model, inputs, mesh, self._setting, self._dtype())
+                "cut", lambda: cut_model(self._tracer, inputs, mesh, self._setting)
             )
         self.stage_setup = self._cut.take(mesh, self._stage_index)
         self.model = self.stage_setup.stage.module

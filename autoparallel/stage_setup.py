@@ -4,7 +4,8 @@ stage's place in the pipeline and its price (pipeline_planning.py orchestrates t
 With a mesh dim named ``pp`` (the mesh's first), ``AutoParallel`` plans this rank's stage:
 
     a setting (``pipeline_settings``: microbatches, schedule)
-        -> the model cut at its layer stack for it (``cut_model``, trace/stages.py)
+        -> the model cut at its layer stack for it (``cut_model``, trace/stages.py; one
+           export per microbatch shape, kept by the ``StageTracer``)
         -> this rank's stage (``StageCut.take``): its module, its example microbatch, the
            mesh without ``pp``
         -> the usual pipeline on that stage (trace ... solve), with the stage boundaries
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -35,7 +35,7 @@ from autoparallel._torch_internals import tree_flatten
 from autoparallel.cost.pipeline import microbatches_in_flight, transfer_us
 from autoparallel.cost.topology import Topology
 from autoparallel.graph.layers import forward_layers
-from autoparallel.trace.stages import StageModule, split_stages
+from autoparallel.trace.stages import StageModule, StageTracer
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.pipeline import (
     INTERLEAVED,
@@ -231,26 +231,19 @@ def check_setting(config: PipelineConfig, global_inputs: Any, mesh: DeviceMesh) 
 
 
 def cut_model(
-    model: nn.Module,
-    global_inputs: Any,
-    mesh: DeviceMesh,
-    config: PipelineConfig,
-    compute_dtype: torch.dtype | None = None,
+    tracer: StageTracer, global_inputs: Any, mesh: DeviceMesh, config: PipelineConfig
 ) -> StageCut:
-    """Split ``model`` for ``mesh``'s pp dim under ``config`` (one of ``pipeline_settings``:
-    schedule and microbatches decided; checked by ``check_setting``), traced computing in
-    ``compute_dtype`` (the policy's ``param_dtype``; see ``split_stages``).
+    """Split the tracer's model for ``mesh``'s pp dim under ``config`` (one of
+    ``pipeline_settings``: schedule and microbatches decided; checked by ``check_setting``).
     ``global_inputs``: what ``input_fn()`` returned (the global batch)."""
     check_setting(config, global_inputs, mesh)
     args, kwargs = _as_args(global_inputs)
     piece = _batch_rows(args, kwargs) // config.microbatches
-    stages = split_stages(
-        model,
+    stages = tracer.split(
         tuple(_rows(a, piece) for a in args),
         {k: _rows(v, piece) for k, v in kwargs.items()},
         mesh.shape[0] * (config.stages_per_rank or 1),
         config.stage_layers,
-        compute_dtype,
     )
     return StageCut(tuple(stages), config)
 

@@ -9,7 +9,8 @@ package means a torch upgrade that moves them breaks these files, not twenty
 
 By theme: ``tracing`` (the joint export, fake tensors, pytree, op overloads), ``dtensor``
 (DTensor's spec, local-tensor wrappers and strategy registry), ``collectives`` (functional
-collectives, the fake process group), ``runtime`` (torch.compile hooks, dispatch modes,
+collectives, the fake process group), ``pipelining`` (torch's pipeline cut as an export and
+a split apart), ``runtime`` (torch.compile hooks, dispatch modes,
 autograd inside a custom op, grouped matmul). Callers import the names from here.
 """
 
@@ -59,6 +60,11 @@ from autoparallel._torch_internals.dtensor import (
     view_rule_of,
     wrap_local,
 )
+from autoparallel._torch_internals.pipelining import (
+    MarkedProgram,
+    export_with_cut_markers,
+    split_at_markers,
+)
 from autoparallel._torch_internals.runtime import (
     FakeTensor,
     TorchDispatchMode,
@@ -90,6 +96,9 @@ from autoparallel._torch_internals.tracing import (
 
 __all__ = [
     "COLLECTIVE_OPS",
+    "MarkedProgram",
+    "export_with_cut_markers",
+    "split_at_markers",
     "DATA_DEPENDENT_SHAPE_ERRORS",
     "DATA_DEPENDENT_VALUE_ERRORS",
     "DTensor",

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autoparallel import _torch_internals as internals
 from autoparallel.types.pipeline import PipelineError
 
 
@@ -102,45 +103,96 @@ def split_stages(
     stage_layers: tuple[int, ...] | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> list[StageModule]:
-    """Cut ``model`` into ``num_stages`` stages (see the module docstring); the example
-    microbatch gives the shapes the stages are traced with.
+    """Cut ``model`` into ``num_stages`` stages once (see :class:`StageTracer`)."""
+    tracer = StageTracer(model, compute_dtype)
+    return tracer.split(microbatch_args, microbatch_kwargs, num_stages, stage_layers)
+
+
+class StageTracer:
+    """Cuts one model into pipeline stages (see the module docstring), exporting it once per
+    microbatch shape: torch.export is most of a cut's time, and the planner prices several
+    cuts at one microbatch shape (other layer splits, two stages per rank). The export marks
+    a cut before every layer of the stack; each split keeps the markers where its stages
+    begin (``_torch_internals.split_at_markers``), as torch's ``pipeline`` would cut there.
 
     ``compute_dtype`` (a mixed-precision policy's ``param_dtype``): the model is traced
     computing in it, as it will run (its parameters' stand-ins in that dtype take, on a
     materialized model, that much memory of its device while it is traced), and the stages
-    then own the model's own parameters. Traced in float32 instead, torch.export records the dtype each cast produced
-    then: ``x.float()`` of a float32 ``x`` is ``x`` itself, so a norm's
-    ``self._norm(x.float()).type_as(x)`` comes out keeping float32, and ``.to(x.dtype)`` is
-    recorded as ``.to(float32)``; under the policy the stage would then compute its
-    residual stream and matmuls in float32."""
-    from torch.distributed.pipelining import SplitPoint, pipeline
+    then own the model's own parameters. Traced in float32 instead, torch.export records the
+    dtype each cast produced then: ``x.float()`` of a float32 ``x`` is ``x`` itself, so a
+    norm's ``self._norm(x.float()).type_as(x)`` comes out keeping float32, and
+    ``.to(x.dtype)`` is recorded as ``.to(float32)``; under the policy the stage would then
+    compute its residual stream and matmuls in float32."""
 
-    stack = find_layer_stack(model)
-    counts = stage_layer_counts(len(stack.keys), num_stages, stage_layers)
-    starts = [sum(counts[:i]) for i in range(num_stages)]
-    split_spec = {f"{stack.path}.{stack.keys[s]}": SplitPoint.BEGINNING for s in starts[1:]}
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    args = tuple(_zeros_like(a, device) for a in microbatch_args)
-    kwargs = {k: _zeros_like(v, device) for k, v in microbatch_kwargs.items()}
-    try:
-        with (
-            _forwards_restored(model, list(split_spec)),
-            _computing_in(model, compute_dtype) as own,
-            _aliases_unregistered(model) as aliases,
-        ):
-            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
-    except Exception as error:  # torch.export's own errors, long and deep
-        raise PipelineError(
-            f"torch.distributed.pipelining could not trace {type(model).__name__} to cut it "
-            f"into {num_stages} stages: {_first_lines(error)}"
-            + _alias_hint(aliases)
-            + _cache_hint(error)
-        ) from error
-    if pipe.num_stages != num_stages:
-        raise PipelineError(
-            f"cutting before {', '.join(split_spec)} gave {pipe.num_stages} stages, not "
-            f"{num_stages}: does the forward call every layer of `{stack.path}` in order?"
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
+        self.model = model
+        self.compute_dtype = compute_dtype
+        self.stack = find_layer_stack(model)
+        self._exports: dict[tuple[Any, ...], internals.MarkedProgram] = {}
+
+    def split(
+        self,
+        microbatch_args: tuple[Any, ...],
+        microbatch_kwargs: dict[str, Any],
+        num_stages: int,
+        stage_layers: tuple[int, ...] | None = None,
+    ) -> list[StageModule]:
+        """The model cut into ``num_stages`` stages of ``stage_layers`` layers each (default:
+        as even as possible); the example microbatch gives the shapes they are traced with."""
+        model, stack = self.model, self.stack
+        counts = stage_layer_counts(len(stack.keys), num_stages, stage_layers)
+        starts = [sum(counts[:i]) for i in range(num_stages)]
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        args = tuple(_zeros_like(a, device) for a in microbatch_args)
+        kwargs = {k: _zeros_like(v, device) for k, v in microbatch_kwargs.items()}
+        try:
+            with (
+                _computing_in(model, self.compute_dtype) as own,
+                _aliases_unregistered(model) as aliases,
+            ):
+                marked = self._marked(args, kwargs)
+                pipe = internals.split_at_markers(model, marked, {s - 1 for s in starts[1:]})
+        except Exception as error:  # torch.export's own errors, long and deep
+            raise PipelineError(
+                f"torch.distributed.pipelining could not trace {type(model).__name__} to cut "
+                f"it into {num_stages} stages: {_first_lines(error)}"
+                + _alias_hint(aliases)
+                + _cache_hint(error)
+            ) from error
+        if pipe.num_stages != num_stages:
+            raise PipelineError(
+                f"cutting before {', '.join(stack.names(1, len(stack.keys)))} gave "
+                f"{pipe.num_stages} stages, not {num_stages}: does the forward call every "
+                f"layer of `{stack.path}` in order?"
+            )
+        return _stage_modules(pipe, num_stages, starts, counts, stack, device, own)
+
+    def _marked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> internals.MarkedProgram:
+        """The model exported for this microbatch's shapes, marked before every layer but
+        the first (cached)."""
+        key = tuple(
+            (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
+            for v in (*args, *sorted(kwargs.items()))
         )
+        if key not in self._exports:
+            before = list(self.stack.names(1, len(self.stack.keys)))
+            with _forwards_restored(self.model, before):
+                self._exports[key] = internals.export_with_cut_markers(
+                    self.model, args, kwargs, before
+                )
+        return self._exports[key]
+
+
+def _stage_modules(
+    pipe: Any,
+    num_stages: int,
+    starts: list[int],
+    counts: tuple[int, ...],
+    stack: LayerStack,
+    device: torch.device,
+    own: dict[str, torch.Tensor],
+) -> list[StageModule]:
+    """The stages of torch's ``Pipe``, each made to run on its own (see ``split_stages``)."""
     modules = [pipe.get_stage_module(index) for index in range(num_stages)]
     _pass_skipped_values(pipe.split_gm.graph, modules)
     stages = []
