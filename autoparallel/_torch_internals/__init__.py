@@ -61,7 +61,6 @@ from autoparallel._torch_internals.dtensor import (
     wrap_local,
 )
 from autoparallel._torch_internals.pipelining import (
-    MarkedProgram,
     export_with_cut_markers,
     split_at_markers,
 )
@@ -96,7 +95,6 @@ from autoparallel._torch_internals.tracing import (
 
 __all__ = [
     "COLLECTIVE_OPS",
-    "MarkedProgram",
     "export_with_cut_markers",
     "split_at_markers",
     "DATA_DEPENDENT_SHAPE_ERRORS",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from inspect import signature
 from typing import Any
 
@@ -21,19 +20,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 
-@dataclass(frozen=True)
-class MarkedProgram:
-    """An exported program with cut markers, and the calling convention of the model's
-    forward (its code generator and parameter count), read once."""
-
-    program: Any  # torch.export.ExportedProgram
-    codegen: Any
-    inputs: int
-
-
 def export_with_cut_markers(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], before: Sequence[str]
-) -> MarkedProgram:
+) -> Any:
     """torch.export's program of ``model`` with torch.distributed.pipelining's cut marker
     before each submodule named in ``before`` (in forward order: marker ``i`` is before
     ``before[i]``). The markers replace the named modules' ``forward`` on the model, as
@@ -42,19 +31,21 @@ def export_with_cut_markers(
     from torch.distributed.pipelining._IR import annotate_split_points
 
     annotate_split_points(model, {name: SplitPoint.BEGINNING for name in before})
-    program = torch.export.export(model, args, kwargs)
-    traced = program.module()
-    return MarkedProgram(program, traced.graph._codegen, len(signature(traced.forward).parameters))
+    return torch.export.export(model, args, kwargs)
 
 
-def split_at_markers(model: nn.Module, marked: MarkedProgram, keep: Collection[int]) -> Any:
+def split_at_markers(model: nn.Module, exported: Any, keep: Collection[int]) -> Any:
     """torch's ``Pipe`` of ``exported`` cut at the markers numbered ``keep`` only (0: the
     first marker), as ``pipeline`` would have cut the model with those split points; the
     first stage takes the model's keyword arguments too, as ``pipeline``'s does. Reads the
     model's tensors by name, so it runs under the same registrations as the export."""
     from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe
 
+    calling: list[tuple[Any, int]] = []  # the model's code generator and its input count
+
     def only_kept(traced: fx.GraphModule) -> fx.GraphModule:
+        codegen = copy.deepcopy(traced.graph._codegen)  # before the split changes it
+        calling.append((codegen, len(signature(traced.forward).parameters)))
         markers = [
             node
             for node in traced.graph.nodes
@@ -67,18 +58,19 @@ def split_at_markers(model: nn.Module, marked: MarkedProgram, keep: Collection[i
         return traced
 
     pipe = Pipe._from_traced(
-        model, marked.program, MultiUseParameterConfig.REPLICATE, split_policy=only_kept
+        model, exported, MultiUseParameterConfig.REPLICATE, split_policy=only_kept
     )
-    _first_stage_takes_keywords(pipe, marked)
+    _first_stage_takes_keywords(pipe, *calling[0])
     return pipe
 
 
-def _first_stage_takes_keywords(pipe: Any, marked: MarkedProgram) -> None:
+def _first_stage_takes_keywords(pipe: Any, codegen: Any, inputs: int) -> None:
     """``Pipe.from_tracing``'s last step: the first stage's code takes the model's inputs
-    as the model does (positional and keyword), where it takes as many."""
+    as the model does (positional and keyword; ``codegen`` is the model's, which takes
+    ``inputs``), where it takes as many."""
     first = next(iter(pipe.split_gm.children()))
-    if marked.inputs != len(signature(first.forward).parameters):
+    if inputs != len(signature(first.forward).parameters):
         return
-    first.graph._codegen = copy.deepcopy(marked.codegen)
+    first.graph._codegen = codegen
     first.graph._codegen.pytree_info = first.graph._codegen.pytree_info._replace(out_spec=None)
     first.recompile()

@@ -128,7 +128,7 @@ class StageTracer:
         self.model = model
         self.compute_dtype = compute_dtype
         self.stack = find_layer_stack(model)
-        self._exports: dict[tuple[Any, ...], internals.MarkedProgram] = {}
+        self._exports: dict[tuple[Any, ...], Any] = {}  # torch.export.ExportedProgram
 
     def split(
         self,
@@ -167,7 +167,7 @@ class StageTracer:
             )
         return _stage_modules(pipe, num_stages, starts, counts, stack, device, own)
 
-    def _marked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> internals.MarkedProgram:
+    def _marked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The model exported for this microbatch's shapes, marked before every layer but
         the first (cached)."""
         key = tuple(
