@@ -122,6 +122,30 @@ def test_stages_are_cut_at_the_layer_stack_and_the_model_is_left_as_it_was():
     assert not stages[0].example_inputs[0].requires_grad  # integer tokens
 
 
+def test_every_cut_of_one_microbatch_shape_comes_from_one_export_and_runs_the_model():
+    """The planner prices several cuts of one microbatch shape: one torch.export serves them
+    all, and each cut, run stage after stage, gives the model's output; values that skip a
+    stage (the rotary tables) are passed on by the stages in between."""
+    from autoparallel.trace.stages import StageTracer
+
+    model = initialized_model(n_layers=4)
+    tokens = torch.randint(
+        0, CONFIG.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0)
+    )
+    expected = model(tokens)
+    tracer = StageTracer(model)
+    for num_stages, layers in [(2, None), (2, (3, 1)), (4, None), (3, (1, 2, 1))]:
+        stages = tracer.split((tokens,), {}, num_stages, layers)
+        assert [len(s.layers) for s in stages] == list(layers or (4 // num_stages,) * num_stages)
+        values = (tokens,)
+        for stage in stages:
+            out = stage.module(*values)
+            values = out if isinstance(out, tuple) else (out,)
+        assert torch.equal(values[0], expected)
+    assert len(tracer._exports) == 1
+    assert [len(s.example_inputs) for s in stages] == [1, 3, 3]  # the tables ride along
+
+
 def test_a_tensor_held_under_two_names_is_cut_by_its_first_and_a_tie_is_named():
     """torchtitan's style keeps the rotary table as `freqs_cis` and `rope.cache`: the cut
     keeps the first name, every stage reading the table holds it, and the model keeps both

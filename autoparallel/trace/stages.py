@@ -170,9 +170,9 @@ class StageTracer:
     def _marked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The model exported for this microbatch's shapes, marked before every layer but
         the first (cached)."""
-        key = tuple(
-            (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
-            for v in (*args, *sorted(kwargs.items()))
+        key = (
+            *(_shape_of(value) for value in args),
+            *((name, _shape_of(value)) for name, value in sorted(kwargs.items())),
         )
         if key not in self._exports:
             before = list(self.stack.names(1, len(self.stack.keys)))
@@ -181,6 +181,10 @@ class StageTracer:
                     self.model, args, kwargs, before
                 )
         return self._exports[key]
+
+
+def _shape_of(value: Any) -> Any:
+    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else repr(value)
 
 
 def _stage_modules(
