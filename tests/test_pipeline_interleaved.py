@@ -80,6 +80,13 @@ def test_two_stages_per_rank_are_planned_and_each_priced(fake_mesh):
     ((other, stage_plan),) = autop._local_stages
     assert other.stage_setup.stage.index == 2 and stage_plan.param_placements
     assert {b.stage for b in pipeline.cost.timeline} == {0, 1, 2, 3}
+    # the report draws one row per pp rank, each block naming its stage and microbatch
+    from autoparallel.files.plan_json import plan_json
+    from autoparallel.report import render_html
+
+    page = render_html(plan_json(plan))
+    assert "rank 1</text>" in page and "rank 2</text>" not in page
+    assert ">2:0</text>" in page and "(2 per pp rank" in page
 
 
 def test_the_planner_prices_two_stages_per_rank_beside_one(fake_mesh):
