@@ -65,29 +65,37 @@ def test_pipelined_training_equals_one_device(ranks, tmp_path):
     assert "Shard(dim=0)" in last[0]["input_placements"][0]
 
 
-def test_a_mesh_of_pp_alone_trains_equal_to_one_device_with_two_stages_per_rank(ranks, tmp_path):
-    """Two ranks, nothing else split, a 4-layer LLaMA cut into 4 stages, two per rank under
-    interleaved 1F1B over 2 microbatches, each rank loading its stages' entries of the
-    one-device model's state dict: the losses and parameters equal one device's, and the
-    order our pricing plays out is torch's schedule's own."""
+@pytest.mark.parametrize(
+    "schedule, layers, per_rank", [("gpipe", 2, None), ("interleaved-1f1b", 4, 2)]
+)
+def test_a_mesh_of_pp_alone_trains_equal_to_one_device(ranks, tmp_path, schedule, layers, per_rank):
+    """Two ranks, nothing else split, 2 microbatches: GPipe with a stage per rank, and
+    interleaved 1F1B with a 4-layer LLaMA cut into 4 stages, two per rank. Each rank loads
+    its stages' entries of the one-device model's state dict: the losses and parameters
+    equal one device's, and the order our pricing plays out is torch's schedule's own."""
     from autoparallel.cost.pipeline import rank_order
 
-    layers = 4
     expected = reference(n_layers=layers)
     results = ranks(2).run(
         train_pipelined,
-        "interleaved-1f1b",
+        schedule,
         2,
         str(tmp_path),
         False,
         True,
         False,
         layers,
-        2,
+        per_rank,
         timeout_s=600,
     )
-    assert [r["rank_stages"] for r in results] == [(0, 2), (1, 3)]
-    assert results[0]["stages"] == tuple((f"layers.{i}",) for i in range(layers))
+    per_rank = per_rank or 1
+    assert [r["rank_stages"] for r in results] == [
+        tuple(range(rank, 2 * per_rank, 2)) for rank in range(2)
+    ]
+    assert results[0]["stages"] == tuple(
+        tuple(f"layers.{i}" for i in range(s, s + layers // (2 * per_rank)))
+        for s in range(0, layers, layers // (2 * per_rank))
+    )
     one_device = _initial_values(layers)
     for result in results:
         assert result["initial"] and all(
@@ -101,7 +109,7 @@ def test_a_mesh_of_pp_alone_trains_equal_to_one_device_with_two_stages_per_rank(
         for name, value in result["params"].items():
             assert torch.allclose(value, expected["params"][name], atol=TOLERANCE), name
         for rank, order in result["order"].items():
-            assert order == rank_order("interleaved-1f1b", rank, 2, 2, 2)
+            assert order == rank_order(schedule, rank, 2, per_rank, 2)
 
 
 def _initial_values(n_layers: int = CONFIG.n_layers) -> dict[str, torch.Tensor]:
