@@ -61,6 +61,7 @@ from autoparallel.stage_setup import (
 from autoparallel.trace.stages import StageTracer
 from autoparallel.types.pipeline import (
     INTERLEAVED,
+    INTERLEAVED_STAGES_PER_RANK,
     PipelineConfig,
     PipelineError,
     PipelineOption,
@@ -71,9 +72,6 @@ from autoparallel.types.plan import Plan
 
 logger = logging.getLogger(__name__)
 
-INTERLEAVED_STAGES_PER_RANK = 2
-"""The stages per rank the planner prices under interleaved 1F1B beside one (more halve the
-bubble again but add as many sends and cuts to plan)."""
 CUT_ROUNDS = 3
 """New layer splits the planner prices after the even one (each one a cut and a plan)."""
 CUT_MIN_GAIN = 0.02
@@ -112,7 +110,7 @@ class _Search:
 
 def _cut_by(setting: PipelineConfig) -> tuple[Any, ...]:
     """What of a setting decides the cut (all but the schedule)."""
-    return (setting.microbatches, setting.stage_layers, setting.stages_per_rank or 1)
+    return (setting.microbatches, setting.stage_layers, setting.stages_per_rank)
 
 
 def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -273,7 +271,7 @@ class PipelinePlanning:
             self._setting.schedule,
             self._setting.microbatches,
             prices,
-            self._setting.stages_per_rank or 1,
+            self._setting.stages_per_rank,
         )
         plan.pipeline = dataclasses.replace(
             self.stage_setup.pipeline_plan(),
@@ -365,9 +363,10 @@ class PipelinePlanning:
         except InfeasibleConstraintsError as error:
             errors.append(error)
         others = self.stage_setup.rank_stages[1:]
-        local = [self._stage_planned_here(i, calls) for i in others] if mine else []
+        # its other stages (with several per rank), unless its first has no plan
+        local = [self._stage_planned_here(i, calls) for i in others] if mine is not None else []
         self._local_stages = tuple((other, p) for _, other, p in local)
-        rank_prices = [mine, *(price for price, _, _ in local)] if local else [mine]
+        rank_prices = [mine, *(price for price, _, _ in local)]
         rank_prices += [None] * (1 + len(others) - len(rank_prices))
         prices = exchanged_prices(rank_prices, self.stage_setup)
         if prices is None:
@@ -378,7 +377,7 @@ class PipelinePlanning:
         """A priced setting (``state``: what ``_priced`` left, its cut's layers per stage)."""
         setting = state["_setting"]
         layers = tuple(len(stage.layers) for stage in state["_cut"].stages)
-        per_rank = setting.stages_per_rank or 1
+        per_rank = setting.stages_per_rank
         if any(p is None for p in prices):
             return PipelineOption(
                 setting.schedule, setting.microbatches, None, None, layers, per_rank
@@ -426,7 +425,7 @@ class PipelinePlanning:
                     index,
                     stages,
                     setting.microbatches,
-                    setting.stages_per_rank or 1,
+                    setting.stages_per_rank,
                 )
                 memory = other.sharding_optimizer.memory_in_flight(held)
                 if memory is not None:

@@ -39,6 +39,7 @@ from autoparallel.trace.stages import StageModule, StageTracer
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.pipeline import (
     INTERLEAVED,
+    INTERLEAVED_STAGES_PER_RANK,
     PIPELINE_DIM,
     PipelineConfig,
     PipelineError,
@@ -65,7 +66,7 @@ class StageSetup:
 
     @property
     def stages_per_rank(self) -> int:
-        return self.config.stages_per_rank or 1
+        return self.config.stages_per_rank
 
     @property
     def in_flight(self) -> int:
@@ -184,7 +185,9 @@ def pipeline_settings(
         divisors = [m for m in range(1, local + 1) if local % m == 0]
         counts = [m for m in divisors if ranks <= m <= 4 * ranks]
         counts = counts or [max(m for m in divisors if m < ranks)]
-    per_rank = config.stages_per_rank or (2 if config.schedule == INTERLEAVED else 1)
+    per_rank = config.stages_per_rank or (
+        INTERLEAVED_STAGES_PER_RANK if config.schedule == INTERLEAVED else 1
+    )
     return tuple(
         PipelineConfig(
             config.schedule or _default_schedule(m, ranks, per_rank),
@@ -242,7 +245,7 @@ def cut_model(
     stages = tracer.split(
         tuple(_rows(a, piece) for a in args),
         {k: _rows(v, piece) for k, v in kwargs.items()},
-        mesh.shape[0] * (config.stages_per_rank or 1),
+        mesh.shape[0] * config.stages_per_rank,
         config.stage_layers,
     )
     return StageCut(tuple(stages), config)

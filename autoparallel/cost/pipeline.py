@@ -107,13 +107,10 @@ def microbatches_in_flight(
     run, backward not yet) under the schedule's order (``rank_order``): all of them for
     GPipe, ``min(M, stages - i)`` for 1F1B."""
     ranks = num_stages // stages_per_rank
-    order = rank_order(schedule, stage_index % ranks, ranks, stages_per_rank, microbatches)
-    held = most = 0
-    for stage, kind, _ in order:
-        if stage == stage_index:
-            held += 1 if kind == "forward" else -1
-            most = max(most, held)
-    return most
+    counted = [1.0 if stage == stage_index else 0.0 for stage in range(num_stages)]
+    rank = stage_index % ranks
+    peak = rank_activation_peak(schedule, rank, ranks, stages_per_rank, microbatches, counted)
+    return int(peak)
 
 
 def rank_activation_peak(
@@ -165,13 +162,9 @@ def timeline(
             needs = _needs(stage, kind, m, stages)
             if needs is not None and needs not in done:
                 continue  # the pass it waits for is not placed yet
-            arrives = 0.0
-            if needs is not None:
-                sent = needs[0] != stage
-                arrives = done[needs] + (
-                    0.0 if not sent else ahead[needs[0]] if kind == "forward" else back[needs[0]]
-                )
-            start = max(free[r], arrives)
+            start = free[r] if needs is None else max(free[r], done[needs])
+            if needs is not None and needs[0] != stage:  # sent by another stage
+                start = max(start, done[needs] + (ahead if kind == "forward" else back)[needs[0]])
             end = start + (forward_us[stage] if kind == "forward" else backward_us[stage])
             blocks.append(TimelineBlock(stage, m, kind, start, end))
             done[(stage, kind, m)], free[r], nxt[r] = end, end, nxt[r] + 1

@@ -126,7 +126,7 @@ class ParallelPipeline:
             mine, keys = stage_state_dict(self.whole_model, module, state_dict, strict)
             module.load_state_dict(mine, strict=False)  # the checks were ours
             missing += keys.missing_keys
-            unexpected = keys.unexpected_keys
+            unexpected = keys.unexpected_keys  # keys of no tensor: alike for every stage
         return StageKeys(missing, unexpected)
 
     def to_empty(self, *, device: torch.device | str) -> ParallelPipeline:

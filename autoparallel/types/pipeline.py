@@ -19,6 +19,9 @@ ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 and ``ScheduleInterleaved1F1B`` (several stages per rank)."""
 
 INTERLEAVED: ScheduleName = "interleaved-1f1b"
+INTERLEAVED_STAGES_PER_RANK = 2
+"""The stages per rank interleaved 1F1B runs where the user does not say: the planner prices
+it beside one (more halve the bubble again but add as many sends and cuts to plan)."""
 
 SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 
@@ -47,7 +50,8 @@ class PipelineConfig:
         ``pp * stages_per_rank`` stages, stage ``s`` on pp rank ``s % pp``); more than one
         needs the "interleaved-1f1b" schedule, which is then the default. By default 1,
         and the planner also prices 2 under "interleaved-1f1b" where the stack has the
-        layers for it (pipeline_planning.py).
+        layers for it (pipeline_planning.py). A decided setting (``pipeline_settings``)
+        always holds it.
     """
 
     schedule: ScheduleName | None = None
