@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from autoparallel.cli import calibrate, saved
+from autoparallel.cli import calibrate, export, saved
 from autoparallel.cli.common import UsageError
 from autoparallel.cli.plan_arguments import (
     BUILTIN_MODELS,
@@ -352,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "calibrate":
             return calibrate.run(args)
+        if args.command == "export":
+            return export.run(args)
         if args.command != "plan":
             return saved.run(args)
         request = validate(args)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autoparallel.cli import calibrate, saved
+from autoparallel.cli import calibrate, export, saved
 from autoparallel.cli.common import UsageError, parse_bytes, parse_mesh
 from autoparallel.types.pipeline import SCHEDULES
 
@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--verbose", action="store_true", help="log every node's decision")
     saved.add_commands(commands)
     calibrate.add_commands(commands)
+    export.add_commands(commands)
     return parser
 
 

@@ -187,6 +187,24 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "memory": _memory(plan),
         "fallbacks": list(plan.fallbacks),
         "pipeline": _pipeline(plan),
+        "parameter_uses": _parameter_uses(plan),
+    }
+
+
+def _parameter_uses(plan: Plan) -> dict[str, Any]:
+    """Per parameter, the op of the forward that reads it and the placements around it
+    (:class:`~autoparallel.types.plan.ParameterUse`): what ``autoparallel export`` reads."""
+    return {
+        name: {
+            "op": use.op,
+            "node": use.node,
+            "activation": placement_str(use.activation) if use.activation else None,
+            "arrives": placement_str(use.arrives) if use.arrives else None,
+            "at_use": placement_str(use.at_use) if use.at_use else None,
+            "leaves": placement_str(use.leaves) if use.leaves else None,
+            "feeds_output": use.feeds_output,
+        }
+        for name, use in plan.parameter_uses.items()
     }
 
 

@@ -349,6 +349,7 @@ def get_json(problem: Problem, plan: Plan) -> dict[str, Any]:
         "constraints": {name: c.description for name, c in problem.user_constraints.items()},
         "regions": _regions(joint, plan, topology),
         "pipeline": data["pipeline"],
+        "parameter_uses": data["parameter_uses"],
     }
 
 

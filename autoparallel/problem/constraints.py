@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from autoparallel.graph.view_ops import passes_gradient_through
 from autoparallel.trace.sharding_constraint import constraint_nodes, requested_placements
 from autoparallel.types.placements import OutputPlacements, is_multi, placement_str
 from autoparallel.types.problem import MIB, Problem, Row, UserConstraint
+from autoparallel.types.strategies import Strategy
 from autoparallel.types.tensors import local_shape
 
 # ---------------------------------------------------------------------------- placements
@@ -48,6 +49,45 @@ def placement_constraint(
     columns = problem.node_columns[node][matching]
     row = Row(columns, np.ones(len(columns)), 1.0, 1.0)
     return UserConstraint(name, f"{what} = {placement_str(tuple(placements))}", [row])
+
+
+def strategy_subset_constraint(
+    problem: Problem, name: str, node: fx.Node, allowed: Callable[[Strategy], bool], what: str
+) -> UserConstraint:
+    """Let ``node`` take only the strategies ``allowed`` accepts (raises if none is)."""
+    strategies = problem.space[node].strategies
+    matching = [i for i, s in enumerate(strategies) if allowed(s)]
+    if not matching:
+        raise ValueError(f"{what}: none of {node.name}'s {len(strategies)} strategies is allowed")
+    columns = problem.node_columns[node][matching]
+    return UserConstraint(name, what, [Row(columns, np.ones(len(columns)), 1.0, 1.0)])
+
+
+def same_choice_constraint(
+    problem: Problem,
+    name: str,
+    pairs: Sequence[tuple[fx.Node, Callable[[Strategy], Any]]],
+    values: Sequence[Any],
+    what: str,
+) -> UserConstraint:
+    """Make every (node, key) of ``pairs`` choose a strategy of the same key, for each key in
+    ``values``: one row per key and pair after the first, summing to equal shares."""
+    (first, first_key), rest = pairs[0], pairs[1:]
+    rows = []
+    for value in values:
+        left = _columns_where(problem, first, lambda s, value=value: first_key(s) == value)
+        for node, key in rest:
+            right = _columns_where(problem, node, lambda s, key=key, value=value: key(s) == value)
+            columns = np.concatenate([left, right])
+            signs = np.concatenate([np.ones(len(left)), -np.ones(len(right))])
+            rows.append(Row(columns, signs, 0.0, 0.0).merged())
+    return UserConstraint(name, what, rows)
+
+
+def _columns_where(problem: Problem, node: fx.Node, allowed: Callable[[Strategy], bool]):
+    strategies = problem.space[node].strategies
+    matching = [i for i, s in enumerate(strategies) if allowed(s)]
+    return problem.node_columns[node][matching]
 
 
 # ---------------------------------------------------------------------------- parameter memory

@@ -15,6 +15,7 @@ from autoparallel.problem.memory import estimate_memory, memory_model
 from autoparallel.problem.overlap import window_times
 from autoparallel.problem.recompute import recompute_counts
 from autoparallel.regions.local_map import region_backward_op
+from autoparallel.solver.parameter_uses import parameter_uses
 from autoparallel.types.costs import EdgeCost
 from autoparallel.types.placements import OutputPlacements, Placements
 from autoparallel.types.plan import (
@@ -179,6 +180,7 @@ def build_plan(
         priced_on=tables.topology.hardware.name,
         memory=memory,
         recompute=memory.recomputed,
+        parameter_uses=parameter_uses(joint, nodes),
     )
 
 

@@ -37,3 +37,8 @@ under the memory budget, or every numbered layer."""
 
 CollectiveKind = Literal["all_to_all", "all_gather", "reduce_scatter", "all_reduce"]
 """A collective issued by a ``local_map`` region's body, as the cost model prices it."""
+
+ParameterOp = Literal["linear", "embedding", "scale", "other"]
+"""How the forward reads a parameter: as a matmul's weight (or bias), as an embedding table,
+as an elementwise scale (a norm's weight), or otherwise. The torch-code export maps the first
+three to torch's tensor-parallel styles."""

@@ -13,7 +13,14 @@ from typing import Any
 
 import torch.fx as fx
 
-from autoparallel.types.kinds import BucketKind, EdgeKind, NodePhase, Phase, SolverMethod
+from autoparallel.types.kinds import (
+    BucketKind,
+    EdgeKind,
+    NodePhase,
+    ParameterOp,
+    Phase,
+    SolverMethod,
+)
 from autoparallel.types.memory import MemoryEstimate
 from autoparallel.types.pipeline import PipelinePlan
 from autoparallel.types.placements import OutputPlacements, Placements
@@ -141,6 +148,32 @@ class OverlapCost:
     hidden_us: float
 
 
+@dataclass(frozen=True)
+class ParameterUse:
+    """Where the forward first reads a parameter, seen through its casts, views and
+    transposes: the op (``node``, of kind ``op``) and the placement that op requires of the
+    activation it combines the parameter with (``None`` where it takes none). A matmul's
+    activation is its other operand; a norm's, the tensor it scales. ``feeds_output``: the
+    op's result reaches a model output through views only (a language model's head);
+    ``arrives``: the activation's placement as its producer left it.
+    The torch-code export reads the plan's tensor-parallel styles from these."""
+
+    op: ParameterOp
+    node: str
+    activation: Placements | None = None
+    feeds_output: bool = False
+    # the activation's placement where it enters the module, before the views and the
+    # redistribution that bring it to ``activation`` (a sequence-parallel norm's output
+    # arrives sequence-sharded and is gathered for the matmul)
+    arrives: Placements | None = None
+    # the parameter's placement where the forward first reads it: equal to its placement at
+    # rest, or whole on a dim where the runtime gathers it first (FSDP's all-gather)
+    at_use: Placements | None = None
+    # the placement the op's result is read in by its first consumer past the views that
+    # follow it (a column-parallel result gathered, a row-parallel partial sum reduced)
+    leaves: Placements | None = None
+
+
 @dataclass
 class Plan:
     mesh_shape: tuple[int, ...]
@@ -167,6 +200,8 @@ class Plan:
     # with a "pp" mesh dim: the schedule, microbatches and stages (this plan is the
     # placements of ``pipeline.stage_index``'s stage on the mesh's other dims)
     pipeline: PipelinePlan | None = None
+    # parameter name -> the op of the forward that reads it (see ParameterUse)
+    parameter_uses: dict[str, ParameterUse] = field(default_factory=dict)
 
     def redistributions(self) -> list[tuple[str, ArgumentCost]]:
         """Every (consumer node name, argument) where a collective or local reshard happens."""
