@@ -8,7 +8,12 @@ import json
 import pytest
 import torch
 from conftest import meta
-from helpers.export_cases import mlp_reference, train_exported_mlp
+from helpers.export_cases import (
+    llama_reference,
+    mlp_reference,
+    train_exported_llama,
+    train_exported_mlp,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoparallel import AutoParallel
@@ -18,7 +23,7 @@ from autoparallel.export import plan_in_torch_styles, to_torch_code
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.types.placements import placement_str
 
-LR = 1e-2
+LR = 1e-3  # as the runtime cases: Adam turns rounding of tiny gradients into LR-sized steps
 STEPS = 3
 
 
@@ -96,10 +101,11 @@ def test_a_plan_torch_cannot_write_is_named_and_the_restricted_plan_is_priced(fa
     assert any(name.startswith("torch_styles:") for name in autop.sharding_optimizer.constraints())
 
 
-def test_tensor_parallel_styles_applied_give_the_plans_placements(fake_mesh):
+def test_tensor_parallel_styles_give_the_plans_placements_and_train_equal(fake_mesh, ranks):
     """The tiny LLaMA on a tp mesh of 2 with a parameter budget that forces splits, planned
     within torch's styles: the exported parallelize_module calls, applied to the model on
-    the same (fake) mesh, leave every parameter in the plan's placement."""
+    the same (fake) mesh, leave every parameter in the plan's placement, and on 2 gloo
+    ranks the exported code trains to the single-device losses and parameters."""
     config = llama_config("tiny")
     mesh = fake_mesh((2,), ("tp",))
     with AutoParallel(
@@ -123,6 +129,15 @@ def test_tensor_parallel_styles_applied_give_the_plans_placements(fake_mesh):
     for name, param in model.named_parameters():
         placements = param.placements if isinstance(param, DTensor) else (Replicate(),)
         assert placement_str(placements) == placement_str(plan.param_placements[name]), name
+    generator = torch.Generator().manual_seed(3)
+    batches = [
+        torch.randint(0, config.vocab_size, (8, 32), generator=generator) for _ in range(STEPS)
+    ]
+    reference = reference_training(llama_reference, batches, STEPS, LR)
+    for result in ranks(2).run(train_exported_llama, code.source, batches, LR, timeout_s=300):
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-4)
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(result["params"][name], value, atol=1e-4, rtol=1e-4)
 
 
 def test_the_command_writes_the_plan_as_torch_code(fake_mesh, tmp_path, capsys):

@@ -120,7 +120,7 @@ def _style_call(style: ModuleStyle) -> str:
     if style.style == "gather_input":
         return (
             f"PrepareModuleInput(input_layouts=({style.input_layouts},), "
-            "desired_input_layouts=(Replicate(),))"
+            "desired_input_layouts=(Replicate(),), use_local_output=True)"
         )
     arguments = []
     if style.input_layouts is not None:

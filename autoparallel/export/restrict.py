@@ -22,13 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel.problem.constraints import same_choice_constraint, strategy_subset_constraint
 from autoparallel.solver.parameter_uses import OPS, first_reader, op_name, use_path
 from autoparallel.types.plan import Plan
-from autoparallel.types.problem import UserConstraint
+from autoparallel.types.problem import Row, UserConstraint
 from autoparallel.types.strategies import Strategy
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ def torch_style_constraints(
     joint = problem.joint
     added: list[str] = []
     norms: list[tuple[fx.Node, int]] = []
+    boundaries: set[tuple[fx.Node, fx.Node]] = set()  # edges where a style may move data
 
     def add(name: str, node: fx.Node, allowed, what: str) -> None:
         constraint = strategy_subset_constraint(problem, PREFIX + name, node, allowed, what)
@@ -109,14 +111,14 @@ def torch_style_constraints(
             lambda s, slot=slot: _gathered_on_data(s.inputs[slot], data_dim),
             f"{fqn} gathered on the data dim before its use",
         )
-        if model_dim is not None:
-            added.append(problem.add_constraint(_as_stored(problem, fqn, path, model_dim)))
         inputs = problem.space[use].input_nodes
         operand = _activation_slot(use, inputs, via)
         if operand is None:
             continue
         if kind == "scale":
             norms.append((use, operand))
+        if kind in ("linear", "embedding"):
+            boundaries |= _module_boundaries(use, inputs[operand], joint.forward_nodes)
         weight = inputs.index(via)
         if op_name(use) == "addmm" and weight == 0:  # a bias: its weight's rule covers the op
             continue
@@ -138,39 +140,63 @@ def torch_style_constraints(
                 )
             )
         )
+    if model_dim is not None:
+        added.append(
+            problem.add_constraint(_unmoved_inside_modules(problem, model_dim, boundaries))
+        )
     return added
 
 
-_PLACEMENTS = (Shard(0), Shard(1), Shard(2), Replicate())
-"""Every placement a weight takes through its views on the model dim (a transpose moves
-the split from dim 0 to dim 1)."""
+def _module_boundaries(use: fx.Node, activation: fx.Node, forward) -> set[tuple[fx.Node, fx.Node]]:
+    """The edges where a linear's or an embedding's style moves data: into its input (past
+    the one view a linear flattens it with) and out of its result (past the view that
+    unflattens it)."""
+    edges = {(activation, use)}
+    if op_name(activation) in _VIEWS:
+        edges |= {(source, activation) for source in activation.all_input_nodes}
+    for user in use.users:
+        if user not in forward:
+            continue
+        edges.add((use, user))
+        if op_name(user) in _VIEWS:
+            edges |= {(user, after) for after in user.users if after in forward}
+    return edges
 
 
-def _as_stored(problem, fqn: str, path: list[fx.Node], model_dim: int):
-    """No move on the model dim along the parameter's way to its use: each node on the path
-    reads it as the node before left it."""
-    pairs = []
-    for before, after in zip(path, path[1:]):
-        slot = problem.space[after].input_nodes.index(before)
-        pairs.append(
-            [
-                (before, lambda s: _first(s.output)[model_dim]),
-                (after, lambda s, slot=slot: s.inputs[slot][model_dim]),
-            ]
-        )
-    rows = []
-    for pair in pairs:
-        rows += same_choice_constraint(problem, "", pair, _PLACEMENTS, "").rows
+_VIEWS = frozenset({"view", "_unsafe_view", "reshape"})
+
+
+def _unmoved_inside_modules(
+    problem, model_dim: int, boundaries: set[tuple[fx.Node, fx.Node]]
+) -> UserConstraint:
+    """Every other forward edge keeps its tensor's placement on the model dim: between two
+    modules torch's styles run the model's own code on local shards, with no collective.
+    The edge columns (placement pairs, or route steps) that change it are held at 0."""
+    forward = problem.joint.forward_nodes
+    banned: list[int] = []
+    for index, edge in enumerate(problem.tables.edges):
+        if edge.consumer not in forward or edge.kind == "output":
+            continue
+        if (edge.producer, edge.consumer) in boundaries:
+            continue
+        banned += [
+            move.column
+            for move in problem.edge_moves(index)
+            if _project(move.src, model_dim) != _project(move.dst, model_dim)
+        ]
+    columns = np.unique(np.array(banned, dtype=np.int64))
     return UserConstraint(
-        f"{PREFIX}as_stored:{fqn}",
-        f"{fqn} read on the model dim as it is stored",
-        [row for row in rows if len(row.columns)],
+        PREFIX + "inside_modules",
+        "no move on the model dim between two modules' styles, nor on a weight's way to its use",
+        [Row(columns, np.ones(len(columns)), 0.0, 0.0)] if len(columns) else [],
     )
 
 
-def _first(output):
-    """A node's (first) output placements."""
-    return output[0] if output and isinstance(output[0], tuple) else output
+def _project(placements, dim: int):
+    """``placements`` on mesh dim ``dim`` (a tuple of them for a node of several outputs)."""
+    if placements and (isinstance(placements[0], tuple) or placements[0] is None):
+        return tuple(None if p is None else p[dim] for p in placements)
+    return placements[dim]
 
 
 def _stored(kind: str, rank: int) -> tuple:

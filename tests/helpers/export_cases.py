@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from autoparallel._testing.harness import default_loss
-from autoparallel.models import MLP
+from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.types.placements import placement_str
 
 
@@ -40,6 +40,38 @@ def train_exported_mlp(
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / world_size)
+    params, placements = {}, {}
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            placements[name] = placement_str(param.placements)
+            param = param.full_tensor()
+        params[name] = param.detach().clone()
+    return {"losses": losses, "params": params, "placements": placements}
+
+
+def llama_reference() -> Llama:
+    model = Llama(llama_config("tiny"))
+    model.init_weights(seed=0)
+    return model
+
+
+def train_exported_llama(
+    rank: int, world_size: int, source: str, batches: list[torch.Tensor], lr: float
+) -> dict[str, Any]:
+    """Apply the exported ``parallelize`` to the single-device LLaMA on a ``tp`` mesh of all
+    ranks, then train one AdamW step per batch, every rank on the whole batch."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "parallelize_model.py", "exec"), namespace)
+    model = namespace["parallelize"](llama_reference(), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches:
+        loss = default_loss(model(batch), batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
     params, placements = {}, {}
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
