@@ -22,8 +22,9 @@ Comparisons, one JSON line each on stdout (children's output goes to stderr):
 * ``free``:   ours planned without a memory constraint vs ``DistributedDataParallel``.
 
 ``--mesh DPxTP`` (LLaMA models): one comparison on that (dp, tp) mesh instead, round-robin:
-ours free and memory-constrained against the 2-D recipe written by hand (benchmarks/recipes.py)
-and FSDP2 alone; each / the hand recipe, and ``first_losses_agree`` (one init, one batch).
+ours free and memory-constrained, ours within torch's styles run by our runtime and exported
+as torch code (benchmarks/variants_2d.py), the 2-D recipe written by hand and FSDP2 alone; each
+/ the hand recipe, exported / ours-styles, and ``first_losses_agree`` (one init, one batch).
 
 ``ratio`` is ours / theirs (below 1: ours is faster). Each line is also appended to
 ``benchmarks/results/step_time.jsonl``, its figure that ratio, under the question
@@ -68,8 +69,15 @@ from torch.distributed.tensor import Replicate, Shard
 from autoparallel import autoparallel_backend, measure_step
 from autoparallel.cli.common import UsageError, parse_mesh
 from autoparallel.runtime.launch import run_distributed
-from benchmarks.recipes import parallelize_llama_2d
 from benchmarks.results import preset_suffix, record
+from benchmarks.variants_2d import (
+    EXPORTED,
+    HAND_2D,
+    OURS_STYLES,
+    VARIANTS,
+    build_2d_variant,
+    first_losses_agree,
+)
 from benchmarks.workloads import (
     ROUND_WARMUP,
     WORKLOADS,
@@ -88,16 +96,7 @@ MODELS = tuple(WORKLOADS)
 COMPILED = "+compile"
 """Suffix of the variants of ours run under torch.compile(..., backend=autoparallel_backend())."""
 
-
 DP_TP = ("dp", "tp")
-HAND_2D = "hand-2d"
-"""The 2-D recipe written by hand (benchmarks/recipes.py): TP + SP on tp, FSDP2 on dp."""
-
-
-def _initialized(workload: Any) -> nn.Module:
-    model = workload.build()
-    model.init_weights(seed=0)
-    return model
 
 
 def _build_ours(
@@ -158,8 +157,8 @@ def _prepare(
         model = build_torch_fsdp2(workload, flat)
     elif variant == "ddp":
         model = build_torch_ddp(workload)
-    elif variant == HAND_2D:
-        model = parallelize_llama_2d(_initialized(workload), mesh)
+    elif variant in VARIANTS:  # the hand recipe; ours within torch's styles, run or exported
+        model, extra = build_2d_variant(variant, model_name, mesh, hardware)
     else:
         memory = variant.startswith("ours-memory")
         model, extra = _build_ours(model_name, mesh, memory=memory, hardware=hardware)
@@ -506,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 HAND_RECIPE_MODELS = ("llama-tiny", "llama-small")
-VARIANTS_2D = ("ours-free", "ours-memory", HAND_2D, "fsdp2")
+VARIANTS_2D = ("ours-free", "ours-memory", OURS_STYLES, EXPORTED, HAND_2D, "fsdp2")
 
 
 def _compare_2d(args: argparse.Namespace, argv: list[str] | None) -> int:
@@ -524,8 +523,8 @@ def _compare_2d(args: argparse.Namespace, argv: list[str] | None) -> int:
         "pin_cores": args.pin_cores,
         **{variant: {"status": r["status"], **_summary(r)} for variant, r in results.items()},
         **{f"ratio_{v}_over_hand": _ratio(results[v], hand) for v in VARIANTS_2D if v != HAND_2D},
-        # same init, same batch: every variant's first loss is the one-device loss
-        "first_losses_agree": _first_losses_agree(results),
+        "ratio_exported_over_ours_styles": _ratio(results[EXPORTED], results[OURS_STYLES]),
+        "first_losses_agree": first_losses_agree(results),
     }
     print(json.dumps(line), flush=True)
     mesh = "x".join(str(n) for n in args.mesh)
@@ -543,15 +542,19 @@ def _compare_2d(args: argparse.Namespace, argv: list[str] | None) -> int:
             ("ours-free", "ours (free)"),
             ("ours-memory", "ours (parameter memory constraint)"),
         )
+    ] + [
+        {
+            "question": f"{args.model}-{mesh}-exported-vs-ours" + preset_suffix(args.hardware),
+            "what": f"step time, the plan within torch's styles as exported torch code / the "
+            f"same plan run by our runtime, {setting}",
+            "figure": line["ratio_exported_over_ours_styles"],
+            "unit": "x",
+            **line,
+        }
     ]
     record("step_time", figures, argv)
     failed = any(r["status"] == "error" for r in results.values())
     return 1 if failed or not line["first_losses_agree"] else 0
-
-
-def _first_losses_agree(results: dict[str, dict]) -> bool:
-    firsts = [r["loss_first"] for r in results.values() if r["status"] == "ok"]
-    return bool(firsts) and max(firsts) - min(firsts) <= 1e-4 * max(abs(f) for f in firsts)
 
 
 THEIRS = {"memory": ("ours (parameter memory constraint)", "FSDP2"), "free": ("ours (free)", "DDP")}

@@ -4,6 +4,7 @@ choices torch's styles cannot write are named (issue 47)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,9 +20,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from autoparallel import AutoParallel
 from autoparallel._testing.harness import reference_training
 from autoparallel.cli import main
-from autoparallel.export import plan_in_torch_styles, to_torch_code
+from autoparallel.export import PlanView, plan_in_torch_styles, to_torch_code
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.types.placements import placement_str
+from autoparallel.types.plan import ParameterUse
 
 LR = 1e-3  # as the runtime cases: Adam turns rounding of tiny gradients into LR-sized steps
 STEPS = 3
@@ -89,9 +91,9 @@ def test_a_plan_torch_cannot_write_is_named_and_the_restricted_plan_is_priced(fa
         unexpressed = to_torch_code(free).unexpressed
         # torch's styles keep norms whole on tp, so the 1/world-size minimum is out of reach:
         # the restriction is priced against the free plan without it
-        autop.sharding_optimizer.remove_constraints(["parameter_memory"])
-        unconstrained = autop.optimize_placement()
-        restricted = plan_in_torch_styles(autop.sharding_optimizer, unconstrained, 0, 1)
+        restricted = plan_in_torch_styles(
+            autop.sharding_optimizer, free, 0, 1, drop_parameter_memory=True
+        )
     ratio = restricted.cost_ratio
     assert unexpressed, "the free plan was expected to gather weights on tp"
     assert all("tp" in u.why or "model dim" in u.why for u in unexpressed)
@@ -141,16 +143,20 @@ def test_tensor_parallel_styles_give_the_plans_placements_and_train_equal(fake_m
 
 
 def test_the_command_writes_the_plan_as_torch_code(fake_mesh, tmp_path, capsys):
-    """`autoparallel export plan.json -o parallelize_model.py` writes a module that defines
-    parallelize(model, mesh); a plan JSON without the section it reads is refused in one
+    """`autoparallel plan --torch-styles` prints what the restriction costs and writes a plan
+    that `autoparallel export --strict` writes whole, as a module defining
+    parallelize(model, mesh); a plan JSON without the section export reads is refused in one
     line; --strict refuses a plan with unexpressed choices."""
-    autop, free, _ = _planned_mlp(fake_mesh((2,), ("dp",)))
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps(autop.sharding_optimizer.get_json()))
+    tiny = ["--model", "tiny", "--mesh", "2x2", "--mesh-names", "dp,tp", "--batch", "8"]
+    assert main(["plan", *tiny, "--seq", "32", "--torch-styles", "--out", str(path)]) == 0
+    assert "within torch's styles: predicted step" in capsys.readouterr().out
     out = tmp_path / "parallelize_model.py"
-    assert main(["export", str(path), "-o", str(out)]) == 0
+    assert main(["export", str(path), "--strict", "-o", str(out)]) == 0
     assert "def parallelize(" in out.read_text()
-    assert "wrote" in capsys.readouterr().out
+    assert "0 choices not expressed" in capsys.readouterr().out
+    autop, free, _ = _planned_mlp(fake_mesh((2,), ("dp",)))
+    path.write_text(json.dumps(autop.sharding_optimizer.get_json()))
     data = json.loads(path.read_text())
     del data["parameter_uses"]
     old = tmp_path / "old.json"
@@ -165,3 +171,25 @@ def test_the_command_writes_the_plan_as_torch_code(fake_mesh, tmp_path, capsys):
     edited.write_text(json.dumps(data))
     assert main(["export", str(edited), "--strict"]) == 1
     assert "not expressed" in capsys.readouterr().err
+
+
+def test_a_move_inside_the_models_own_code_is_named():
+    """A plan that gathers on tp between two modules (inside the model's code, away from
+    every linear's edges) has no torch style: the export names the move, not only the
+    parameters. A move at a linear's edge is a style's own and is not named."""
+    split, whole = (Shard(0),), (Replicate(),)
+    column = ParameterUse("linear", "mm", activation=whole, at_use=split, leaves=split)
+    view = PlanView(
+        mesh_shape=(2,),
+        mesh_dim_names=("tp",),
+        params={"w1.weight": split},
+        uses={"w1.weight": replace(column, boundary=("view", "mm", "_unsafe_view"))},
+        inputs=[whole],
+        outputs=[whole],
+        forward_moves=(
+            ("_unsafe_view", "gelu", (Shard(2),), whole),  # out of the linear: its style's
+            ("gelu", "mul", (Shard(2),), whole),  # between modules: no style moves it
+        ),
+    )
+    named = [u.name for u in to_torch_code(view).unexpressed]
+    assert named == ["gelu -> mul"]

@@ -221,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="trace every layer instead of building identical layers' graph from 3 and 4 traced ones",
     )
     plan.add_argument("--verbose", action="store_true", help="log every node's decision")
+    plan.add_argument(
+        "--torch-styles",
+        action="store_true",
+        help="plan within what torch's fully_shard and tensor-parallel styles write (for "
+        "`autoparallel export`), and print what that restriction costs",
+    )
     saved.add_commands(commands)
     calibrate.add_commands(commands)
     export.add_commands(commands)
@@ -255,6 +261,7 @@ class PlanRequest:
     microbatches: int | None = None
     pipeline: bool = False  # with devices: pp meshes among the candidates
     stages_per_rank: int | None = None
+    torch_styles: bool = False  # plan within torch's styles (export/restrict.py)
 
     def mp_policy(self) -> Any:
         """torch's MixedPrecisionPolicy for the dtype flags, or None without them."""
@@ -404,6 +411,11 @@ def validate(args: argparse.Namespace) -> PlanRequest:
             "--layers applies to the built-in models only; a factory decides its own depth"
         )
     layers = args.layers
+    if args.torch_styles and (args.devices is not None or len(shape) > 2 or "pp" in (names or ())):
+        raise UsageError(
+            "--torch-styles plans on a --mesh of one or two dims (data, then tensor parallel), "
+            "without pp"
+        )
     save = None if args.no_save else args.save or default_problem_path(args.out)
     if save is not None and args.out is not None and save.resolve() == args.out.resolve():
         raise UsageError(
@@ -442,6 +454,7 @@ def validate(args: argparse.Namespace) -> PlanRequest:
         args.microbatches,
         args.pipeline,
         args.stages_per_rank,
+        args.torch_styles,
     )
 
 

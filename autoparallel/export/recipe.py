@@ -24,6 +24,7 @@ from autoparallel.types.graph import layer_of
 from autoparallel.types.placements import (
     Placements,
     PlacementSyntaxError,
+    is_multi,
     parse_placements,
     placement_str,
 )
@@ -50,6 +51,9 @@ class PlanView:
     recompute: tuple[str, ...] = ()
     step_us: float | None = None
     priced_on: str = ""
+    # (producer, consumer, from, to) of every move of the forward
+    forward_moves: tuple[tuple[str, str, Placements, Placements], ...] = ()
+    placeholders: frozenset[str] = frozenset()  # the graph's inputs: parameters, batch
 
     @classmethod
     def of(cls, plan: Plan) -> PlanView:
@@ -64,6 +68,15 @@ class PlanView:
             recompute=tuple(plan.recompute),
             step_us=plan.totals.total_us,
             priced_on=plan.priced_on,
+            forward_moves=tuple(
+                (arg.producer, consumer, arg.src, arg.dst)
+                for consumer, arg in plan.redistributions()
+                if plan.nodes[consumer].phase == "forward"
+                and arg.kind == "arg"
+                and not is_multi(arg.src)
+                and not is_multi(arg.dst)
+            ),
+            placeholders=frozenset(n.name for n in plan.nodes.values() if n.phase == "placeholder"),
         )
 
 
@@ -105,6 +118,7 @@ def view_of_json(data: dict[str, Any], path: str = "plan JSON") -> PlanView:
                     arrives=read(u.get("arrives"), f"{name}'s arrival"),
                     at_use=read(u.get("at_use"), f"{name}'s placement at use"),
                     leaves=read(u.get("leaves"), f"{name}'s result"),
+                    boundary=tuple(u.get("boundary") or ()),
                 )
                 for name, u in uses.items()
             },
@@ -116,6 +130,14 @@ def view_of_json(data: dict[str, Any], path: str = "plan JSON") -> PlanView:
             recompute=tuple((data.get("memory") or {}).get("recomputed") or ()),
             step_us=(data.get("totals") or {}).get("total_us"),
             priced_on=(data.get("totals") or {}).get("priced_on", ""),
+            forward_moves=tuple(
+                (c["producer"], c["consumer"], read(c["src"], "a move"), read(c["dst"], "a move"))
+                for c in data.get("collectives") or ()
+                if c.get("phase") == "forward" and "(" not in (c["src"][:1], c["dst"][:1])
+            ),
+            placeholders=frozenset(
+                n["name"] for n in data.get("nodes") or () if n.get("phase") == "placeholder"
+            ),
         )
     except (KeyError, TypeError, AttributeError) as error:
         raise ExportError(
@@ -278,6 +300,7 @@ def _tensor_parallel(
     if dim is None:
         return (), False
     sequence = _sequence_parallel(view, dim)
+    _moves_between_modules(view, dim, unexpressed)
     styles: dict[str, ModuleStyle] = {}
     loss_parallel = False
     for name, use in view.uses.items():
@@ -290,6 +313,26 @@ def _tensor_parallel(
         styles[module] = style
         loss_parallel = loss_parallel or not style.use_local_output
     return tuple(styles.values()), loss_parallel
+
+
+def _moves_between_modules(view: PlanView, dim: int, unexpressed: list[Unexpressed]) -> None:
+    """Name each move on the model dim that the plan makes in the model's own code, away
+    from every linear's and embedding's edges and from the parameters: torch's styles run
+    that code on local shards and move nothing there."""
+    edges = {node for use in view.uses.values() for node in use.boundary}
+    for producer, consumer, src, dst in view.forward_moves:
+        if src[dim] == dst[dim] or producer in edges or consumer in edges:
+            continue
+        if producer in view.placeholders:  # a parameter's own gathers are judged per parameter
+            continue
+        unexpressed.append(
+            Unexpressed(
+                f"{producer} -> {consumer}",
+                f"{placement_str(src)} -> {placement_str(dst)}",
+                f"moved on the model dim {view.mesh_dim_names[dim]} inside the model's own "
+                "code: torch's styles move data only at a module's edges",
+            )
+        )
 
 
 def _split(placements: Placements, dim: int) -> bool:

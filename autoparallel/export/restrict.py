@@ -61,13 +61,25 @@ def plan_in_torch_styles(
     data_dim: int | None,
     model_dim: int | None,
     data_parallel: DataParallelKind = "fully_shard",
+    drop_parameter_memory: bool = False,
 ) -> RestrictedPlan:
     """Solve ``optimizer``'s problem again within torch's styles (the module docstring);
-    ``free`` is its plan without them. Raises ValueError naming the constraint that leaves a
-    node no strategy."""
+    ``free`` is its plan without them. ``drop_parameter_memory``: remove the parameter
+    memory constraint first (its default 1/world-size minimum is out of reach where the
+    styles keep norms whole on the model dim; ``fully_shard`` shards every parameter on the
+    data dim anyway) and solve the free plan again without it, so the two compare under the
+    same constraints. Raises InfeasibleConstraintsError naming the constraints that leave
+    no plan."""
+    if drop_parameter_memory and PARAMETER_MEMORY in optimizer.constraints():
+        optimizer.remove_constraints([PARAMETER_MEMORY])
+        free = optimizer.resolve()
     names = torch_style_constraints(optimizer, data_dim, model_dim, data_parallel)
     plan = optimizer.resolve()
     return RestrictedPlan(plan, free.totals.total_us, tuple(names))
+
+
+PARAMETER_MEMORY = "parameter_memory"
+"""The name of the parameter memory constraint (``add_parameter_memory_constraint``)."""
 
 
 def torch_style_constraints(

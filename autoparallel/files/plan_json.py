@@ -203,6 +203,7 @@ def _parameter_uses(plan: Plan) -> dict[str, Any]:
             "at_use": placement_str(use.at_use) if use.at_use else None,
             "leaves": placement_str(use.leaves) if use.leaves else None,
             "feeds_output": use.feeds_output,
+            "boundary": list(use.boundary),
         }
         for name, use in plan.parameter_uses.items()
     }

@@ -59,6 +59,7 @@ def parameter_uses(joint: JointGraph, nodes: dict[str, NodePlan]) -> dict[str, P
             arrives=_arrival(use, via, nodes),
             at_use=read_as(placeholder, joint.forward_nodes, nodes),
             leaves=_departure(use, joint.forward_nodes, nodes),
+            boundary=_boundary(use, via, joint.forward_nodes),
         )
     return uses
 
@@ -166,6 +167,20 @@ def read_as(placeholder: fx.Node, forward, nodes: dict[str, NodePlan]):
         if argument.producer == placeholder.name:
             return argument.dst
     return None
+
+
+def _boundary(use: fx.Node, via: fx.Node, forward) -> tuple[str, ...]:
+    """The names of the view before ``use`` on its activation operand, ``use``, and the
+    views right after it."""
+    names = [use.name]
+    for operand in use.all_input_nodes:
+        if operand is not via and op_name(operand) in _VIEWS:
+            names.append(operand.name)
+    names += [u.name for u in use.users if u in forward and op_name(u) in _VIEWS]
+    return tuple(names)
+
+
+_VIEWS = frozenset({"view", "_unsafe_view", "reshape"})
 
 
 def _reaches(use: fx.Node, outputs: set[fx.Node], forward) -> bool:

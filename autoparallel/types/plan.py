@@ -172,6 +172,9 @@ class ParameterUse:
     # the placement the op's result is read in by its first consumer past the views that
     # follow it (a column-parallel result gathered, a row-parallel partial sum reduced)
     leaves: Placements | None = None
+    # the nodes at the module's edges, where torch's styles move data: the view that
+    # flattens a linear's input, the op itself, the view that unflattens its result
+    boundary: tuple[str, ...] = ()
 
 
 @dataclass
