@@ -45,6 +45,7 @@ TITLES = {
     "calibrate": "Calibration figures",
     "compat": "The test suite on each torch release",
     "fuzz_api": "Bad input, fuzzed",
+    "export_coverage": "The plan as torch code: what the export cannot write",
 }
 """Section titles, in the order the page lists them; other results files follow by name."""
 
@@ -61,6 +62,7 @@ WRITTEN_BY = {
         "kill_rank",
         "soak",
         "fuzz_api",
+        "export_coverage",
     )
 } | {
     "calibrate": "kept by hand: `autoparallel calibrate` writes a profile, not records",

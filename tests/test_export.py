@@ -15,6 +15,7 @@ from helpers.export_cases import (
     train_exported_llama,
     train_exported_mlp,
 )
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoparallel import AutoParallel
@@ -193,3 +194,22 @@ def test_a_move_inside_the_models_own_code_is_named():
     )
     named = [u.name for u in to_torch_code(view).unexpressed]
     assert named == ["gelu -> mul"]
+
+
+def test_the_mixed_precision_policy_is_written_as_the_default():
+    """The policy a plan was made under becomes the exported function's default policy, so
+    the code casts as the plan priced."""
+    split, whole = (Shard(0),), (Replicate(),)
+    view = PlanView(
+        mesh_shape=(2,),
+        mesh_dim_names=("dp",),
+        params={"w1.weight": split},
+        uses={"w1.weight": ParameterUse("linear", "mm", activation=split, at_use=whole)},
+        inputs=[split],
+        outputs=[split],
+    )
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    source = to_torch_code(view, policy).source
+    expected = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
+    assert f"policy = mp_policy or {expected}" in source
+    assert "MixedPrecisionPolicy()" in to_torch_code(view).source

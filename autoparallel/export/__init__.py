@@ -8,6 +8,9 @@ function; :mod:`.restrict` plans again within what the styles can say.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from autoparallel.export.code import TorchCode, render
 from autoparallel.export.recipe import (
     ExportError,
@@ -33,9 +36,22 @@ __all__ = [
 ]
 
 
-def to_torch_code(plan: Plan | PlanView) -> TorchCode:
+def to_torch_code(plan: Plan | PlanView, mp_policy: Any = None) -> TorchCode:
     """``plan`` written as a ``parallelize(model, mesh, mp_policy=None)`` function that uses
-    torch only; ``.unexpressed`` lists the plan's choices torch's styles cannot write."""
+    torch only; ``.unexpressed`` lists the plan's choices torch's styles cannot write.
+    ``mp_policy``: the ``MixedPrecisionPolicy`` the plan was made under (a plan JSON of
+    ``autoparallel plan`` records its dtypes itself), written as the function's default."""
     view = plan if isinstance(plan, PlanView) else PlanView.of(plan)
+    if mp_policy is not None:
+        view = replace(
+            view,
+            param_dtype=_dtype(mp_policy.param_dtype),
+            reduce_dtype=_dtype(mp_policy.reduce_dtype),
+        )
     recipe = recipe_of(view)
     return TorchCode(render(recipe), recipe)
+
+
+def _dtype(dtype: Any) -> str | None:
+    """``torch.bfloat16`` -> ``bfloat16``."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")

@@ -77,6 +77,7 @@ def _header(recipe: TorchRecipe) -> list[str]:
         "",
         "from __future__ import annotations",
         "",
+        "import torch",
         "import torch.nn as nn",
         "from torch.distributed.device_mesh import DeviceMesh",
         "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
@@ -238,7 +239,7 @@ def _data_parallel(recipe: TorchRecipe) -> list[str]:
         "",
         f"    # parameters sharded on {recipe.data_dim!r} and gathered for each layer's compute (FSDP2)",
         f"    dp = {mesh}",
-        "    policy = mp_policy or MixedPrecisionPolicy()",
+        f"    policy = mp_policy or {_policy(recipe)}  # the policy the plan was made under",
     ]
     layers = [unit for unit in recipe.units if unit.module]
     plain = [u.module for u in layers if not u.shard_dims]
@@ -251,6 +252,19 @@ def _data_parallel(recipe: TorchRecipe) -> list[str]:
     root = next(u for u in recipe.units if not u.module)
     lines.append(_fully_shard(root, "model"))
     return lines
+
+
+def _policy(recipe: TorchRecipe) -> str:
+    """The plan's mixed-precision policy as torch code (FSDP2's default where none)."""
+    dtypes = [
+        f"{field}=torch.{dtype}"
+        for field, dtype in (
+            ("param_dtype", recipe.param_dtype),
+            ("reduce_dtype", recipe.reduce_dtype),
+        )
+        if dtype is not None
+    ]
+    return f"MixedPrecisionPolicy({', '.join(dtypes)})"
 
 
 def _fully_shard(unit: ShardedUnit, module: str) -> str:

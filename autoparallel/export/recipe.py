@@ -54,6 +54,9 @@ class PlanView:
     # (producer, consumer, from, to) of every move of the forward
     forward_moves: tuple[tuple[str, str, Placements, Placements], ...] = ()
     placeholders: frozenset[str] = frozenset()  # the graph's inputs: parameters, batch
+    # the mixed-precision policy planned under: torch dtype names (param, reduce), or None
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
 
     @classmethod
     def of(cls, plan: Plan) -> PlanView:
@@ -138,11 +141,24 @@ def view_of_json(data: dict[str, Any], path: str = "plan JSON") -> PlanView:
             placeholders=frozenset(
                 n["name"] for n in data.get("nodes") or () if n.get("phase") == "placeholder"
             ),
+            param_dtype=_dtype_name((data.get("run") or {}).get("param_dtype")),
+            reduce_dtype=_dtype_name((data.get("run") or {}).get("reduce_dtype")),
         )
     except (KeyError, TypeError, AttributeError) as error:
         raise ExportError(
             f"{path} is not a complete plan JSON ({error!r} missing or wrong)"
         ) from error
+
+
+_SHORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _dtype_name(text: Any) -> str | None:
+    """``bf16`` (the CLI's flag) or ``bfloat16`` -> ``bfloat16``; None for anything else."""
+    if not isinstance(text, str):
+        return None
+    name = _SHORT_DTYPES.get(text, text)
+    return name if name in _SHORT_DTYPES.values() else None
 
 
 class ExportError(ValueError):
@@ -197,6 +213,8 @@ class TorchRecipe:
     unexpressed: tuple[Unexpressed, ...]
     step_us: float | None = None
     priced_on: str = ""
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
 
 
 def recipe_of(view: PlanView) -> TorchRecipe:
@@ -228,6 +246,8 @@ def recipe_of(view: PlanView) -> TorchRecipe:
         unexpressed=tuple(unexpressed),
         step_us=view.step_us,
         priced_on=view.priced_on,
+        param_dtype=view.param_dtype,
+        reduce_dtype=view.reduce_dtype,
     )
 
 
