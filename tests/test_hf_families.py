@@ -47,6 +47,26 @@ def test_a_padded_causal_lm_plans_without_replicated_fallbacks(fake_mesh):
     assert plan.fallbacks == []
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe", "olmoe", "mixtral"])
+def test_mixtures_of_experts_plan_their_grouped_matmuls_without_fallbacks(fake_mesh, name):
+    """transformers' grouped matmul of the routed experts (and the floor division of its
+    routing) have our rules: nothing falls back to replicated, and the experts' weights may
+    be split by their features for the compute."""
+    from torch.distributed.tensor import Shard
+
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    family = hf_family(name)
+    with AutoParallel(build_hf_family(family), lambda: hf_family_inputs(family), mesh) as autop:
+        space = autop.sharding_optimizer.problem.space
+        grouped = [n for n in space.nodes if str(n.target).startswith("transformers.grouped_mm")]
+        plan = autop.optimize_placement()
+    assert plan.fallbacks == []
+    assert grouped
+    forward = [n for n in grouped if str(n.target).endswith("fallback.default")]
+    weights = {s.inputs[1][1] for n in forward for s in space[n].strategies}
+    assert Shard(2) in weights and Shard(1) in weights  # column and row parallel experts
+
+
 def test_gpt2_shards_its_vocabulary_of_50257_over_tp(fake_mesh):
     """tp 4 does not divide GPT-2's 50257 tokens; the embedding (tied with the output) is
     still sharded on the vocabulary over tp, 12565 rows per rank but the last (12562)."""

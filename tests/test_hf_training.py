@@ -38,6 +38,25 @@ def test_hugging_face_models_train_as_they_come(ranks, name, world_size):
         assert_trained_alike(result, reference)
 
 
+def test_hugging_face_experts_split_by_features_train_as_on_one_device(ranks):
+    """Qwen3-MoE as it comes, its experts' grouped matmuls (transformers' own op) planned
+    with our rules: the up-projection pinned split by features over tp, the rest chosen;
+    3 AdamW steps on a (2, 2) dp x tp gloo mesh equal the single-device run."""
+
+    def loss(output, batch):
+        return output.logits.float().pow(2).mean()
+
+    name = "qwen3-moe"
+    reference = reference_training(
+        lambda: hf_family_reference(name), hf_family_batches(name), STEPS, LR, loss_fn=loss
+    )
+    results = ranks(4).run(train_hf_family, name, False, False, True, timeout_s=600)
+    assert "RS(1)" in results[0]["grouped_mm"]
+    for result in results:
+        assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
+        assert_trained_alike(result, reference)
+
+
 def test_masked_attention_sharded_on_heads_trains_as_on_one_device(ranks):
     """A causal LM with a padding mask, every attention pinned sharded on heads over tp: the
     [batch, 1, q, k] mask is sharded with the batch and replicated over the heads it

@@ -122,6 +122,24 @@ HF_FAMILIES: tuple[HFFamily, ...] = (
         "MixtralForCausalLM",
         _decoder(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     ),
+    HFFamily(
+        "qwen3-moe",
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        _decoder(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+    ),
+    HFFamily(
+        "olmoe",
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        _decoder(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+    ),
     HFFamily("bert", "BertConfig", "BertForMaskedLM", _decoder(), "masked"),
     HFFamily("roberta", "RobertaConfig", "RobertaForMaskedLM", _decoder(), "masked"),
     HFFamily(

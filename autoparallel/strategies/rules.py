@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from autoparallel.trace.sharding_constraint import sharding_constraint_op
 from autoparallel.types.placements import OutputPlacements, Placements
@@ -28,6 +28,28 @@ RuleFunction = Callable[[fx.Node], "tuple[list[SingleDimRule], int] | None"]
 # op -> rule, filled by @rule_for where each rule is defined (as DTensor's
 # @register_op_strategy does), only while this module is imported; read-only afterwards.
 OWN_RULES: dict[object, RuleFunction] = {}
+
+
+# op name (``str(op)``, e.g. "transformers.grouped_mm_fallback.default") -> rule, for ops a
+# library registers when it is imported (after this module may have been): filled by
+# @rule_for_name the same way, read-only afterwards.
+OWN_RULES_BY_NAME: dict[str, RuleFunction] = {}
+
+
+def rule_of(target: object) -> RuleFunction | None:
+    """Our rule for ``target`` (an op), or None."""
+    return OWN_RULES.get(target) or OWN_RULES_BY_NAME.get(str(target))
+
+
+def rule_for_name(*names: str) -> Callable[[RuleFunction], RuleFunction]:
+    """Register the decorated rule for the ops named ``names`` (``str(op)``)."""
+
+    def register(rule: RuleFunction) -> RuleFunction:
+        for name in names:
+            OWN_RULES_BY_NAME[name] = rule
+        return rule
+
+    return register
 
 
 def rule_for(*ops: object) -> Callable[[RuleFunction], RuleFunction]:
@@ -188,3 +210,50 @@ def identity_rules(node: fx.Node) -> tuple[list[SingleDimRule], int]:
 
 def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
+
+
+# ---------------------------------------------------------------------------- pointwise
+
+
+@rule_for(_aten_default("floor_divide"))
+def same_shape_pointwise_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """A pointwise op DTensor has no rule for (``floor_divide``): split along any dim that
+    its tensor inputs share with the output (a scalar operand is no input)."""
+    shape = tuple(node.meta["val"].shape)
+    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    if any(tuple(t.meta["val"].shape) != shape for t in tensors):
+        return None
+    return [[Shard(d)] * (1 + len(tensors)) for d in range(len(shape))], 1
+
+
+# ---------------------------------------------------------------------------- grouped matmul
+
+
+@rule_for_name("transformers.grouped_mm_fallback.default")
+def grouped_mm_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """transformers' grouped matmul ``(input [S, K], weight [E, K, N], offs [E]) -> [S, N]``:
+    the rows of ``input`` are grouped by expert through the cumulative counts ``offs``,
+    which every rank needs whole, so the tokens are not split; each expert's features are:
+    N (column parallel: output split the same way) or K (row parallel: partial sums)."""
+    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    if len(tensors) != 3:
+        return None
+    return [
+        [Shard(1), Replicate(), Shard(2), Replicate()],
+        [Partial(), Shard(1), Shard(1), Replicate()],
+    ], 1
+
+
+@rule_for_name("transformers.grouped_mm_fallback_backward.default")
+def grouped_mm_backward_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """The backward ``(input, weight, offs, grad_output) -> (grad_input, grad_weight)`` of
+    :func:`grouped_mm_rules`, split the way its forward was."""
+    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    if len(tensors) != 4:
+        return None
+    return [
+        # column parallel: grad_output split by N, grad_input partial, grad_weight split by N
+        [Partial(), Shard(2), Replicate(), Shard(2), Replicate(), Shard(1)],
+        # row parallel: input and weight split by K, grad_output whole
+        [Shard(1), Shard(1), Shard(1), Shard(1), Replicate(), Replicate()],
+    ], 2

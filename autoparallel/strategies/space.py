@@ -185,7 +185,7 @@ def _candidates(
 ) -> tuple[list[Strategy], StrategySource, str]:
     """The node's candidate strategies, where they came from, and why there are none (empty
     when there are some)."""
-    own_rule = rules.OWN_RULES.get(node.target)
+    own_rule = rules.rule_of(node.target)
     if own_rule is not None:
         found = own_rule(node)
         if found is not None:

@@ -26,7 +26,12 @@ def _mesh_of(world_size: int) -> Any:
 
 
 def train_hf_family(
-    rank: int, world_size: int, name: str, padded: bool = False, heads_sharded: bool = False
+    rank: int,
+    world_size: int,
+    name: str,
+    padded: bool = False,
+    heads_sharded: bool = False,
+    experts_split: bool = False,
 ) -> dict[str, Any]:
     """A Hugging Face family as it comes (dropout off), built on CPU from seed 0 on every
     rank, planned on a gloo mesh of the ranks ((2, 2) as dp x tp for 4, else 1-D dp) with
@@ -53,6 +58,8 @@ def train_hf_family(
         autop.add_output_constraints([rows] * len(outputs))
         if heads_sharded:
             _shard_attention_heads(autop.sharding_optimizer)
+        if experts_split:
+            _split_expert_features(autop.sharding_optimizer)
         plan = autop.optimize_placement()
         parallel = autop.apply_placement(plan)
     optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR)
@@ -64,6 +71,13 @@ def train_hf_family(
                 placement_str(n.strategy.output[0])
                 for n in plan.nodes.values()
                 if n.target.endswith("flash_attention_for_cpu.default")
+            }
+        ),
+        "grouped_mm": sorted(
+            {
+                placement_str(n.strategy.output)
+                for n in plan.nodes.values()
+                if n.target.startswith("transformers.grouped_mm_fallback")
             }
         ),
     }
@@ -82,6 +96,20 @@ def _shard_attention_heads(optimizer) -> None:
             optimizer.add_node_constraint(
                 output, (Shard(0), Shard(1)), name=f"heads of {node.name}"
             )
+
+
+GROUPED_MM = "transformers.grouped_mm_fallback.default"
+
+
+def _split_expert_features(optimizer) -> None:
+    """Pin each layer's first grouped matmul (the experts' up-projection) split by its
+    output features over tp: the tokens whole (its offsets group them), the weights split."""
+    joint = optimizer.problem.joint
+    grouped = [
+        n for n in joint.graph.nodes if str(n.target) == GROUPED_MM and n in joint.forward_nodes
+    ]
+    for node in grouped[::2]:
+        optimizer.add_node_constraint(node, (Replicate(), Shard(1)), name=f"experts of {node.name}")
 
 
 def hf_family_batches(name: str, padded: bool = False) -> list[dict[str, torch.Tensor]]:
