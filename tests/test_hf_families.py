@@ -66,6 +66,19 @@ def test_mixtures_of_experts_have_rules_for_their_grouped_matmuls(fake_mesh, nam
     assert Shard(2) in weights and Shard(1) in weights  # column and row parallel experts
 
 
+def test_swins_window_buffers_are_planned_as_views(fake_mesh):
+    """Swin writes its shifted windows into buffers in place; functionalized, those are
+    as_strided reads and as_strided_scatter writes that only reshape a contiguous tensor.
+    Rewritten as the views they are, nothing falls back to replicated."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    family = hf_family("swin")
+    with AutoParallel(build_hf_family(family), lambda: hf_family_inputs(family), mesh) as autop:
+        problem = autop.sharding_optimizer.problem
+    targets = {str(node.target) for node in problem.joint.graph.nodes}
+    assert not {"aten.as_strided.default", "aten.as_strided_scatter.default"} & targets
+    assert problem.space.fallbacks == []
+
+
 def test_gpt2_shards_its_vocabulary_of_50257_over_tp(fake_mesh):
     """tp 4 does not divide GPT-2's 50257 tokens; the embedding (tied with the output) is
     still sharded on the vocabulary over tp, 12565 rows per rank but the last (12562)."""

@@ -19,11 +19,13 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize(
-    "name,world_size", [("llama", 4), ("mixtral", 4), ("bert", 2), ("t5", 2), ("vit", 2)]
+    "name,world_size",
+    [("llama", 4), ("mixtral", 4), ("bert", 2), ("t5", 2), ("vit", 2), ("swin", 2)],
 )
 def test_hugging_face_models_train_as_they_come(ranks, name, world_size):
     """A causal LM, a mixture of experts, a masked LM (padding mask as an input), an
-    encoder-decoder and a vision encoder, from transformers as they come: 3 AdamW steps
+    encoder-decoder and two vision encoders (Swin's window buffers written in place), from
+    transformers as they come: 3 AdamW steps
     equal the single-device run, the decoders on a (2, 2) dp x tp gloo mesh, the others on
     2 ranks (what they add is their tracing: padding mask, encoder-decoder, vision stem)."""
 

@@ -188,6 +188,20 @@ HF_FAMILIES: tuple[HFFamily, ...] = (
         },
         "vision",
     ),
+    HFFamily(
+        "swin",
+        "SwinConfig",
+        "SwinForImageClassification",
+        {
+            "image_size": _IMAGE,
+            "patch_size": 4,
+            "embed_dim": 16,
+            "depths": [1, 1],
+            "num_heads": [2, 2],
+            "window_size": 4,
+        },
+        "vision",
+    ),
 )
 
 

@@ -215,10 +215,11 @@ def is_getitem(node: fx.Node) -> bool:
 # ---------------------------------------------------------------------------- pointwise
 
 
-@rule_for(_aten_default("floor_divide"))
+@rule_for(_aten_default("floor_divide"), _aten_default("copy"))
 def same_shape_pointwise_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
-    """A pointwise op DTensor has no rule for (``floor_divide``): split along any dim that
-    its tensor inputs share with the output (a scalar operand is no input)."""
+    """A pointwise op DTensor has no rule for (``floor_divide``; ``copy(dst, src)`` of equal
+    shapes, which functionalization leaves): split along any dim its tensor inputs share
+    with the output (a scalar operand is no input)."""
     shape = tuple(node.meta["val"].shape)
     tensors = [a for a in node.args if isinstance(a, fx.Node)]
     if any(tuple(t.meta["val"].shape) != shape for t in tensors):

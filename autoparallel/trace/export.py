@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoparallel import _torch_internals as internals
 from autoparallel._torch_internals import TreeSpec, tree_flatten
+from autoparallel.graph.restrides import rewrite_contiguous_restrides
 from autoparallel.regions.context import RegionScope, region_scope
 from autoparallel.regions.local_map import LocalMapError, region_backward_op, region_forward_op
 from autoparallel.regions.profile import check_free_dims, profile_region
@@ -166,6 +167,8 @@ def trace_joint(
     # layer's casts inside the layer. No recompile: later stages read the nodes, and the
     # runtime builds graphs of its own.
     place_casts_in_their_layers(joint)
+    # before strategies: a contiguous as_strided is a view DTensor knows how to shard
+    rewrite_contiguous_restrides(joint)
     joint.tied_params = _tied_parameter_groups(model)
     _attach_regions(joint, scope, mesh)
     return joint

@@ -58,13 +58,21 @@ def assert_trained_alike(result: dict[str, Any], reference: dict[str, Any]) -> N
     assert max_error(result["params"], reference["params"]) < TOLERANCE
 
 
+NUMERICAL_ZERO = 1e-6
+"""A gradient whose largest entry is below this share of the model's largest is zero up to
+rounding (a key projection's bias, which softmax ignores: ~1e-15 against 1e-2); its
+relative error is noise, and the absolute check covers it."""
+
+
 def worst_relative_error(a: dict, b: dict) -> tuple[float, str]:
-    """The largest ``max|a - b| / max|b|`` over ``b``'s names (those with a nonzero b), and
-    the name it is at."""
+    """The largest ``max|a - b| / max|b|`` over ``b``'s names (those whose b is not zero up
+    to rounding, see NUMERICAL_ZERO), and the name it is at."""
     worst = (0.0, "")
+    scales = {n: 0.0 if e is None else e.abs().max().item() for n, e in b.items()}
+    floor = NUMERICAL_ZERO * max(scales.values(), default=0.0)
     for name, expected in b.items():
-        scale = 0.0 if expected is None else expected.abs().max().item()
-        if scale > 0.0:
+        scale = scales[name]
+        if scale > floor and scale > 0.0:
             error = (a[name] - expected).abs().max().item() / scale
             worst = max(worst, (error, name))
     return worst
