@@ -65,6 +65,21 @@ def test_pipelined_training_equals_one_device(ranks, tmp_path):
     assert "Shard(dim=0)" in last[0]["input_placements"][0]
 
 
+def test_stages_split_over_tp_train_equal_to_one_device(ranks, tmp_path):
+    """(pp, tp) = (2, 2): each stage's parameters as sharded over tp as they can be, both
+    ranks of a stage fed the same rows, 1F1B over 2 microbatches: the losses, the first
+    step's gradients and the parameters after the AdamW steps equal the single-device run."""
+    expected = reference()
+    results = ranks(4).run(train_pipelined, "1f1b", 2, str(tmp_path), inner="tp", timeout_s=600)
+    assert any("Shard" in p for r in results for p in r["param_placements"].values())
+    for result in results:
+        if result["stage"] == 1:
+            assert result["losses"] == pytest.approx(expected["losses"], abs=TOLERANCE)
+        for name, value in result["params"].items():
+            assert torch.allclose(value, expected["params"][name], atol=TOLERANCE), name
+            assert torch.allclose(result["grads"][name], expected["grads"][name], atol=TOLERANCE)
+
+
 @pytest.mark.parametrize(
     "schedule, layers, per_rank", [("gpipe", 2, None), ("interleaved-1f1b", 4, 2)]
 )

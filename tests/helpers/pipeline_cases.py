@@ -75,6 +75,7 @@ def train_pipelined(
     on_meta: bool = False,
     n_layers: int = CONFIG.n_layers,
     stages_per_rank: int | None = None,
+    inner: str = "dp",
 ) -> dict[str, Any]:
     """Plan on a (2, world_size // 2) pp x dp gloo mesh (``pp_alone``: a (2,) pp mesh; ``bf16``:
     under a bf16/fp32 policy) with the schedule and microbatches
@@ -84,12 +85,18 @@ def train_pipelined(
     built and planned on the meta device, its stage materialized by ``pipe.to_empty`` and
     ``pipe.init_weights(seed=0)`` (the reference's init); else built on CPU, and loaded
     again from the reference model's whole state dict by ``pipe.load_state_dict``.
-    ``n_layers``: the tiny LLaMA's depth; ``stages_per_rank``: fixed where given."""
-    dp = 1 if pp_alone else world_size // 2
-    shape, names = ((2,), ("pp",)) if pp_alone else ((2, dp), ("pp", "dp"))
+    ``n_layers``: the tiny LLaMA's depth; ``stages_per_rank``: fixed where given;
+    ``inner="tp"``: the second mesh dim is ("pp", "tp"), every rank of a stage fed the same
+    rows, the parameters as sharded as they can be (the parameter memory constraint)."""
+    tensor_parallel = inner == "tp" and not pp_alone
+    dp = 1 if pp_alone or tensor_parallel else world_size // 2
+    width = world_size // 2
+    shape, names = ((2,), ("pp",)) if pp_alone else ((2, width), ("pp", inner))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    # whole microbatches between stages, rows split over dp
-    rows = (Replicate(),) if pp_alone else (Replicate(), Shard(0))
+    # whole microbatches between stages, rows split over dp (whole over tp)
+    rows = (
+        (Replicate(),) if pp_alone else (Replicate(), Replicate() if tensor_parallel else Shard(0))
+    )
     all_batches = batches()
     if on_meta:
         with torch.device("meta"):
@@ -103,6 +110,8 @@ def train_pipelined(
         )
         autop.add_input_constraints([rows])
         autop.add_output_constraints([rows])
+        if tensor_parallel:
+            autop.add_parameter_memory_constraint()
         plan = autop.optimize_placement()
         # each dp rank's loss counts 1/dp of the batch's mean: the gradients sum over dp
         pipe = autop.apply_placement(
@@ -115,7 +124,7 @@ def train_pipelined(
         pipe.load_state_dict(initialized_model(n_layers).state_dict())
     initial = _full_params(pipe)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
-    row = 0 if pp_alone else mesh.get_local_rank("dp")
+    row = 0 if pp_alone or tensor_parallel else mesh.get_local_rank("dp")
     losses, grads = [], {}
     for step, (tokens, target) in enumerate(all_batches):
         optimizer.zero_grad()
@@ -149,6 +158,7 @@ def train_pipelined(
         "grads": grads,
         "params": params,
         "input_placements": [str(p) for p in plan.input_placements],
+        "param_placements": {k: str(v) for k, v in plan.param_placements.items()},
         "pipeline": plan.pipeline,
     }
 
