@@ -25,6 +25,7 @@ from autoparallel.export import PlanView, plan_in_torch_styles, to_torch_code
 from autoparallel.models import MLP, Llama, llama_config
 from autoparallel.types.placements import placement_str
 from autoparallel.types.plan import ParameterUse
+from autoparallel.types.tensors import local_shape
 
 LR = 1e-3  # as the runtime cases: Adam turns rounding of tiny gradients into LR-sized steps
 STEPS = 3
@@ -107,8 +108,9 @@ def test_a_plan_torch_cannot_write_is_named_and_the_restricted_plan_is_priced(fa
 def test_tensor_parallel_styles_give_the_plans_placements_and_train_equal(fake_mesh, ranks):
     """The tiny LLaMA on a tp mesh of 2 with a parameter budget that forces splits, planned
     within torch's styles: the exported parallelize_module calls, applied to the model on
-    the same (fake) mesh, leave every parameter in the plan's placement, and on 2 gloo
-    ranks the exported code trains to the single-device losses and parameters."""
+    the same (fake) mesh, leave every parameter in the plan's placement; on 2 gloo ranks the
+    exported code hands every linear its input and passes on its output in the plan's
+    placements (their local shapes), and trains to the single-device losses and parameters."""
     config = llama_config("tiny")
     mesh = fake_mesh((2,), ("tp",))
     with AutoParallel(
@@ -137,10 +139,31 @@ def test_tensor_parallel_styles_give_the_plans_placements_and_train_equal(fake_m
         torch.randint(0, config.vocab_size, (8, 32), generator=generator) for _ in range(STEPS)
     ]
     reference = reference_training(llama_reference, batches, STEPS, LR)
-    for result in ranks(2).run(train_exported_llama, code.source, batches, LR, timeout_s=300):
+    # every linear's activations at its edges, as the plan places them: the input as the
+    # module is handed it, the output as its consumer reads it
+    linears = {
+        name.removesuffix(".weight"): use
+        for name, use in plan.parameter_uses.items()
+        if use.op == "linear" and name.endswith(".weight")
+    }
+    results = ranks(2).run(
+        train_exported_llama, code.source, batches, LR, tuple(linears), timeout_s=300
+    )
+    single = llama_reference()
+    for result in results:
         assert result["losses"] == pytest.approx(reference["losses"], abs=1e-4)
         for name, value in reference["params"].items():
             torch.testing.assert_close(result["params"][name], value, atol=1e-4, rtol=1e-4)
+        for module, use in linears.items():
+            linear = single.get_submodule(module)
+            expected = (
+                local_shape((8, 32, linear.in_features), use.arrives, (2,)),
+                # the head's result is the model's output: no consumer in the graph reads it
+                local_shape(
+                    (8, 32, linear.out_features), use.leaves or plan.output_placements[0], (2,)
+                ),
+            )
+            assert tuple(result["shapes"][module]) == expected, module
 
 
 def test_the_command_writes_the_plan_as_torch_code(fake_mesh, tmp_path, capsys):

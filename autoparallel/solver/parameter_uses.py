@@ -132,20 +132,19 @@ def _arrival(use: fx.Node, via: fx.Node, nodes: dict[str, NodePlan]):
 
 
 def _departure(use: fx.Node, forward, nodes: dict[str, NodePlan]):
-    """The placement the first consumer past the views after ``use`` reads its result in."""
+    """The placement the module's output is read in by its first consumer: past the one
+    view that unflattens a linear's result, in that output's own coordinates."""
     node = use
-    while True:
+    users = [u for u in node.users if u in forward and u.name in nodes]
+    if len(users) == 1 and op_name(users[0]) in _VIEWS:
+        node = users[0]
         users = [u for u in node.users if u in forward and u.name in nodes]
-        if not users:
-            return None
-        user = users[0]
-        if op_name(user) in _PASS_THROUGH and len(users) == 1:
-            node = user
-            continue
-        for argument in nodes[user.name].arguments:
-            if argument.producer == node.name:
-                return argument.dst
+    if not users:
         return None
+    for argument in nodes[users[0].name].arguments:
+        if argument.producer == node.name:
+            return argument.dst
+    return None
 
 
 def _is_view(plan: NodePlan) -> bool:

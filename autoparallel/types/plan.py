@@ -169,8 +169,9 @@ class ParameterUse:
     # the parameter's placement where the forward first reads it: equal to its placement at
     # rest, or whole on a dim where the runtime gathers it first (FSDP's all-gather)
     at_use: Placements | None = None
-    # the placement the op's result is read in by its first consumer past the views that
-    # follow it (a column-parallel result gathered, a row-parallel partial sum reduced)
+    # the placement the op's result is read in by its first consumer, past the one view
+    # that unflattens a linear's result (a column-parallel result gathered, a row-parallel
+    # partial sum reduced); None where a model output takes it
     leaves: Placements | None = None
     # the nodes at the module's edges, where torch's styles move data: the view that
     # flattens a linear's input, the op itself, the view that unflattens its result
