@@ -72,20 +72,25 @@ def test_an_fsdp_plan_exported_as_torch_code_trains_equal_to_one_device(fake_mes
         assert result["placements"] == planned
 
 
+def _tiny_llama(mesh) -> AutoParallel:
+    """The tiny LLaMA on ``mesh``, batch 8 x 32, priced on the cpu preset."""
+    config = llama_config("tiny")
+    return AutoParallel(
+        meta(lambda: Llama(config)),
+        lambda: torch.randint(0, config.vocab_size, (8, 32)),
+        mesh,
+        hardware="cpu",
+    )
+
+
 def test_a_plan_torch_cannot_write_is_named_and_the_restricted_plan_is_priced(fake_mesh):
     """A free plan of the tiny LLaMA on (dp, tp) shards weights at rest on tp and gathers
     them for a replicated compute: the export names each such parameter and why. Planned
     again within torch's styles, nothing is left unexpressed and the cost of the
     restriction is the ratio of the two predicted steps."""
-    config = llama_config("tiny")
     mesh = fake_mesh((2, 2), ("dp", "tp"))
     inputs = (Shard(0), Replicate())
-    with AutoParallel(
-        meta(lambda: Llama(config)),
-        lambda: torch.randint(0, config.vocab_size, (8, 32)),
-        mesh,
-        hardware="cpu",
-    ) as autop:
+    with _tiny_llama(mesh) as autop:
         autop.add_input_constraints([inputs])
         autop.add_output_constraints([inputs])
         autop.add_parameter_memory_constraint()
@@ -113,12 +118,7 @@ def test_tensor_parallel_styles_give_the_plans_placements_and_train_equal(fake_m
     placements (their local shapes), and trains to the single-device losses and parameters."""
     config = llama_config("tiny")
     mesh = fake_mesh((2,), ("tp",))
-    with AutoParallel(
-        meta(lambda: Llama(config)),
-        lambda: torch.randint(0, config.vocab_size, (8, 32)),
-        mesh,
-        hardware="cpu",
-    ) as autop:
+    with _tiny_llama(mesh) as autop:
         autop.add_input_constraints([(Replicate(),)])
         autop.add_output_constraints([(Replicate(),)])
         autop.add_parameter_memory_constraint(high=0.3 * 2**20)

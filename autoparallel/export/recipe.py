@@ -402,7 +402,7 @@ def _style(
         arrives = _on(use.arrives, dim)
         leaves = _on(use.leaves, dim)
         if placement == Shard(0) and activation == Replicate():
-            gathered = leaves == Replicate() or (use.feeds_output and _output_split(view, dim))
+            gathered = leaves == Replicate() or (use.feeds_output and _output_whole(view, dim))
             return ModuleStyle(
                 module,
                 "colwise",
@@ -464,7 +464,7 @@ def _on(placements: Placements | None, dim: int):
     return None if placements is None else placements[dim]
 
 
-def _output_split(view: PlanView, dim: int) -> bool:
+def _output_whole(view: PlanView, dim: int) -> bool:
     """True where the model's output leaves whole on the model dim (gathered logits)."""
     first = view.outputs[0] if view.outputs else None
     return first is None or not isinstance(first[dim], Shard)
