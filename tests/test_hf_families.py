@@ -79,6 +79,19 @@ def test_swins_window_buffers_are_planned_as_views(fake_mesh):
     assert problem.space.fallbacks == []
 
 
+def test_stacked_projections_keep_their_shards(fake_mesh):
+    """ModernBERT stacks its query, key and value gradients: every input split along one
+    dim stacks into the output split along it (DTensor's own stack strategy offers one
+    placement only, which left the view after it none), so nothing falls back."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    family = hf_family("modernbert")
+    with AutoParallel(build_hf_family(family), lambda: hf_family_inputs(family), mesh) as autop:
+        space = autop.sharding_optimizer.problem.space
+    stacks = [n for n in space.nodes if str(n.target) == "aten.stack.default"]
+    assert stacks and all(len(space[n].output_placements()) > 1 for n in stacks)
+    assert space.fallbacks == []
+
+
 def test_gpt2_shards_its_vocabulary_of_50257_over_tp(fake_mesh):
     """tp 4 does not divide GPT-2's 50257 tokens; the embedding (tied with the output) is
     still sharded on the vocabulary over tp, 12565 rows per rank but the last (12562)."""

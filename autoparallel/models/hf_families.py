@@ -143,6 +143,21 @@ HF_FAMILIES: tuple[HFFamily, ...] = (
     HFFamily("bert", "BertConfig", "BertForMaskedLM", _decoder(), "masked"),
     HFFamily("roberta", "RobertaConfig", "RobertaForMaskedLM", _decoder(), "masked"),
     HFFamily(
+        "modernbert",
+        "ModernBertConfig",
+        "ModernBertForMaskedLM",
+        _decoder(
+            global_attn_every_n_layers=2,
+            local_attention=16,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        ),
+        "masked",
+    ),
+    HFFamily(
         "t5",
         "T5Config",
         "T5ForConditionalGeneration",

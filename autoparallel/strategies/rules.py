@@ -227,6 +227,25 @@ def same_shape_pointwise_rules(node: fx.Node) -> tuple[list[SingleDimRule], int]
     return [[Shard(d)] * (1 + len(tensors)) for d in range(len(shape))], 1
 
 
+@rule_for(_aten_default("stack"))
+def stack_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """``stack(tensors, dim)``: every input split along the same dim d, the output along d
+    (d + 1 from the new dim on), or every input a partial sum, the output one too. DTensor's
+    own stack strategy offers one placement only, the inputs' most common one."""
+    tensors = node.args[0]
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, fx.Node) for t in tensors):
+        return None
+    ndim = tensors[0].meta["val"].dim()
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = dim % (ndim + 1)
+    count = len(tensors)
+    rules: list[SingleDimRule] = [
+        [Shard(d if d < dim else d + 1)] + [Shard(d)] * count for d in range(ndim)
+    ]
+    rules.append([Partial()] * (count + 1))
+    return rules, 1
+
+
 # ---------------------------------------------------------------------------- grouped matmul
 
 
