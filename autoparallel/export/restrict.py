@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel.problem.constraints import same_choice_constraint, strategy_subset_constraint
-from autoparallel.solver.parameter_uses import OPS, first_reader, op_name, use_path
+from autoparallel.solver.parameter_uses import OPS, RESHAPES, first_reader, op_name, use_path
 from autoparallel.types.plan import Plan
 from autoparallel.types.problem import Row, UserConstraint
 from autoparallel.types.strategies import Strategy
@@ -164,18 +164,15 @@ def _module_boundaries(use: fx.Node, activation: fx.Node, forward) -> set[tuple[
     the one view a linear flattens it with) and out of its result (past the view that
     unflattens it)."""
     edges = {(activation, use)}
-    if op_name(activation) in _VIEWS:
+    if op_name(activation) in RESHAPES:
         edges |= {(source, activation) for source in activation.all_input_nodes}
     for user in use.users:
         if user not in forward:
             continue
         edges.add((use, user))
-        if op_name(user) in _VIEWS:
+        if op_name(user) in RESHAPES:
             edges |= {(user, after) for after in user.users if after in forward}
     return edges
-
-
-_VIEWS = frozenset({"view", "_unsafe_view", "reshape"})
 
 
 def _unmoved_inside_modules(

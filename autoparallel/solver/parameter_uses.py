@@ -21,6 +21,10 @@ _PASS_THROUGH = frozenset(
 )
 """Ops that only recast or relabel a tensor's elements: the use is past them."""
 
+RESHAPES = frozenset({"view", "_unsafe_view", "reshape"})
+"""The ops a linear flattens its input with and unflattens its result with: the edges of
+its module in the graph."""
+
 OPS: dict[str, ParameterOp] = {
     "mm": "linear",
     "addmm": "linear",
@@ -136,7 +140,7 @@ def _departure(use: fx.Node, forward, nodes: dict[str, NodePlan]):
     view that unflattens a linear's result, in that output's own coordinates."""
     node = use
     users = [u for u in node.users if u in forward and u.name in nodes]
-    if len(users) == 1 and op_name(users[0]) in _VIEWS:
+    if len(users) == 1 and op_name(users[0]) in RESHAPES:
         node = users[0]
         users = [u for u in node.users if u in forward and u.name in nodes]
     if not users:
@@ -173,13 +177,10 @@ def _boundary(use: fx.Node, via: fx.Node, forward) -> tuple[str, ...]:
     views right after it."""
     names = [use.name]
     for operand in use.all_input_nodes:
-        if operand is not via and op_name(operand) in _VIEWS:
+        if operand is not via and op_name(operand) in RESHAPES:
             names.append(operand.name)
-    names += [u.name for u in use.users if u in forward and op_name(u) in _VIEWS]
+    names += [u.name for u in use.users if u in forward and op_name(u) in RESHAPES]
     return tuple(names)
-
-
-_VIEWS = frozenset({"view", "_unsafe_view", "reshape"})
 
 
 def _reaches(use: fx.Node, outputs: set[fx.Node], forward) -> bool:
