@@ -236,3 +236,29 @@ def test_the_mixed_precision_policy_is_written_as_the_default():
     expected = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
     assert f"policy = mp_policy or {expected}" in source
     assert "MixedPrecisionPolicy()" in to_torch_code(view).source
+
+
+def test_a_layer_the_plan_keeps_gathered_for_its_backward_is_not_resharded():
+    """The plan gathers layer 0's weight again in the backward and keeps layer 1's from its
+    forward: FSDP2 reshards layer 0 after the forward (its default) and not layer 1."""
+    split, whole = (Shard(0),), (Replicate(),)
+
+    def use(node: str, placeholder: str) -> ParameterUse:
+        return ParameterUse("linear", node, activation=split, at_use=whole, placeholder=placeholder)
+
+    view = PlanView(
+        mesh_shape=(2,),
+        mesh_dim_names=("dp",),
+        params={"layers.0.w.weight": split, "layers.1.w.weight": split},
+        uses={
+            "layers.0.w.weight": use("mm", "p0"),
+            "layers.1.w.weight": use("mm_1", "p1"),
+        },
+        inputs=[split],
+        outputs=[split],
+        backward_reads=(("p0", split, whole),),
+    )
+    units = {unit.module: unit.reshard_after_forward for unit in to_torch_code(view).recipe.units}
+    assert units == {"layers.0": True, "layers.1": False, "": True}
+    source = to_torch_code(view).source
+    assert "for name in ('layers.1',):" in source and "reshard_after_forward=False" in source

@@ -242,10 +242,21 @@ def _data_parallel(recipe: TorchRecipe) -> list[str]:
         f"    policy = mp_policy or {_policy(recipe)}  # the policy the plan was made under",
     ]
     layers = [unit for unit in recipe.units if unit.module]
-    plain = [u.module for u in layers if not u.shard_dims]
-    if plain:
+    for reshard in (True, False):
+        plain = [
+            u.module for u in layers if not u.shard_dims and u.reshard_after_forward == reshard
+        ]
+        if not plain:
+            continue
+        if not reshard:
+            lines.append(
+                "    # kept gathered from the forward to the backward: no second all-gather"
+            )
         lines.append(f"    for name in {tuple(plain)!r}:")
-        lines.append("        fully_shard(model.get_submodule(name), mesh=dp, mp_policy=policy)")
+        keep = "" if reshard else ", reshard_after_forward=False"
+        lines.append(
+            f"        fully_shard(model.get_submodule(name), mesh=dp, mp_policy=policy{keep})"
+        )
     for unit in layers:
         if unit.shard_dims:
             lines.append(_fully_shard(unit, f'model.get_submodule("{unit.module}")'))
@@ -268,12 +279,13 @@ def _policy(recipe: TorchRecipe) -> str:
 
 
 def _fully_shard(unit: ShardedUnit, module: str) -> str:
+    keep = "" if unit.reshard_after_forward else ", reshard_after_forward=False"
     if not unit.shard_dims:
-        return f"    fully_shard({module}, mesh=dp, mp_policy=policy)"
+        return f"    fully_shard({module}, mesh=dp, mp_policy=policy{keep})"
     prefix = f"{unit.module}." if unit.module else ""
     dims = {name.removeprefix(prefix): dim for name, dim in unit.shard_dims.items()}
     return (
         f"    # sharded on another dim than 0: {', '.join(f'{n} on {d}' for n, d in dims.items())}\n"
-        f"    fully_shard({module}, mesh=dp, mp_policy=policy, "
+        f"    fully_shard({module}, mesh=dp, mp_policy=policy{keep}, "
         f"shard_placement_fn=_shard_dims({module}, {dims!r}))"
     )

@@ -54,6 +54,9 @@ class PlanView:
     # (producer, consumer, from, to) of every move of the forward
     forward_moves: tuple[tuple[str, str, Placements, Placements], ...] = ()
     placeholders: frozenset[str] = frozenset()  # the graph's inputs: parameters, batch
+    # (placeholder, from, to) of every move of a graph input the backward makes: a
+    # parameter gathered again for the backward
+    backward_reads: tuple[tuple[str, Placements, Placements], ...] = ()
     # the mixed-precision policy planned under: torch dtype names (param, reduce), or None
     param_dtype: str | None = None
     reduce_dtype: str | None = None
@@ -80,6 +83,15 @@ class PlanView:
                 and not is_multi(arg.dst)
             ),
             placeholders=frozenset(n.name for n in plan.nodes.values() if n.phase == "placeholder"),
+            backward_reads=tuple(
+                (arg.producer, arg.src, arg.dst)
+                for consumer, arg in plan.redistributions()
+                if plan.nodes[consumer].phase == "backward"
+                and plan.nodes.get(arg.producer) is not None
+                and plan.nodes[arg.producer].phase == "placeholder"
+                and not is_multi(arg.src)
+                and not is_multi(arg.dst)
+            ),
         )
 
 
@@ -122,6 +134,7 @@ def view_of_json(data: dict[str, Any], path: str = "plan JSON") -> PlanView:
                     at_use=read(u.get("at_use"), f"{name}'s placement at use"),
                     leaves=read(u.get("leaves"), f"{name}'s result"),
                     boundary=tuple(u.get("boundary") or ()),
+                    placeholder=u.get("placeholder") or "",
                 )
                 for name, u in uses.items()
             },
@@ -140,6 +153,13 @@ def view_of_json(data: dict[str, Any], path: str = "plan JSON") -> PlanView:
             ),
             placeholders=frozenset(
                 n["name"] for n in data.get("nodes") or () if n.get("phase") == "placeholder"
+            ),
+            backward_reads=tuple(
+                (c["producer"], read(c["src"], "a move"), read(c["dst"], "a move"))
+                for c in data.get("collectives") or ()
+                if c.get("phase") == "backward"
+                and c["producer"] in {u.get("placeholder") for u in uses.values()}
+                and "(" not in (c["src"][:1], c["dst"][:1])
             ),
             param_dtype=_dtype_name((data.get("run") or {}).get("param_dtype")),
             reduce_dtype=_dtype_name((data.get("run") or {}).get("reduce_dtype")),
@@ -185,6 +205,9 @@ class ShardedUnit:
 
     module: str
     shard_dims: dict[str, int] = field(default_factory=dict)
+    # False where the plan keeps the layer's gathered parameters from its forward to its
+    # backward (no re-gather): FSDP2's reshard_after_forward
+    reshard_after_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -303,9 +326,24 @@ def _data_parallel(
         layers.setdefault(layer_of(name).rstrip("."), {})
         if shard.dim != 0:
             layers[layer_of(name).rstrip(".")][name] = shard.dim
-    units = [ShardedUnit(layer, dims) for layer, dims in layers.items() if layer]
+    regathered = _regathered_layers(view, dim)
+    units = [
+        ShardedUnit(layer, dims, layer in regathered) for layer, dims in layers.items() if layer
+    ]
     units.append(ShardedUnit("", layers.get("", {})))
     return "fully_shard", tuple(units)
+
+
+def _regathered_layers(view: PlanView, dim: int) -> set[str]:
+    """The numbered layers the plan gathers a parameter of again for the backward (on the
+    data dim): FSDP2 reshards those after the forward; the others keep their parameters."""
+    placeholder_of = {use.placeholder: name for name, use in view.uses.items() if use.placeholder}
+    layers = set()
+    for placeholder, src, dst in view.backward_reads:
+        name = placeholder_of.get(placeholder)
+        if name is not None and isinstance(src[dim], Shard) and dst[dim] == Replicate():
+            layers.add(layer_of(name).rstrip("."))
+    return layers
 
 
 # ---------------------------------------------------------------------------- tensor parallel

@@ -204,6 +204,7 @@ def _parameter_uses(plan: Plan) -> dict[str, Any]:
             "leaves": placement_str(use.leaves) if use.leaves else None,
             "feeds_output": use.feeds_output,
             "boundary": list(use.boundary),
+            "placeholder": use.placeholder,
         }
         for name, use in plan.parameter_uses.items()
     }

@@ -64,6 +64,7 @@ def parameter_uses(joint: JointGraph, nodes: dict[str, NodePlan]) -> dict[str, P
             at_use=read_as(placeholder, joint.forward_nodes, nodes),
             leaves=_departure(use, joint.forward_nodes, nodes),
             boundary=_boundary(use, via, joint.forward_nodes),
+            placeholder=placeholder.name,
         )
     return uses
 

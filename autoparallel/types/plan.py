@@ -176,6 +176,8 @@ class ParameterUse:
     # the nodes at the module's edges, where torch's styles move data: the view that
     # flattens a linear's input, the op itself, the view that unflattens its result
     boundary: tuple[str, ...] = ()
+    # the parameter's placeholder node: where the backward reads it again (a re-gather)
+    placeholder: str = ""
 
 
 @dataclass
