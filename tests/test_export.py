@@ -261,4 +261,5 @@ def test_a_layer_the_plan_keeps_gathered_for_its_backward_is_not_resharded():
     units = {unit.module: unit.reshard_after_forward for unit in to_torch_code(view).recipe.units}
     assert units == {"layers.0": True, "layers.1": False, "": True}
     source = to_torch_code(view).source
-    assert "for name in ('layers.1',):" in source and "reshard_after_forward=False" in source
+    kept = 'fully_shard(model.get_submodule("layers.1"), mesh=dp, mp_policy=policy, '
+    assert kept + "reshard_after_forward=False)" in source

@@ -241,25 +241,17 @@ def _data_parallel(recipe: TorchRecipe) -> list[str]:
         f"    dp = {mesh}",
         f"    policy = mp_policy or {_policy(recipe)}  # the policy the plan was made under",
     ]
-    layers = [unit for unit in recipe.units if unit.module]
-    for reshard in (True, False):
-        plain = [
-            u.module for u in layers if not u.shard_dims and u.reshard_after_forward == reshard
-        ]
-        if not plain:
+    groups: dict[tuple, list[ShardedUnit]] = {}
+    for unit in recipe.units:
+        if unit.module:  # layers that shard alike are written as one loop
+            key = (tuple(sorted(_relative_dims(unit).items())), unit.reshard_after_forward)
+            groups.setdefault(key, []).append(unit)
+    for units in groups.values():
+        if len(units) == 1:
+            lines.append(_fully_shard(units[0], f'model.get_submodule("{units[0].module}")'))
             continue
-        if not reshard:
-            lines.append(
-                "    # kept gathered from the forward to the backward: no second all-gather"
-            )
-        lines.append(f"    for name in {tuple(plain)!r}:")
-        keep = "" if reshard else ", reshard_after_forward=False"
-        lines.append(
-            f"        fully_shard(model.get_submodule(name), mesh=dp, mp_policy=policy{keep})"
-        )
-    for unit in layers:
-        if unit.shard_dims:
-            lines.append(_fully_shard(unit, f'model.get_submodule("{unit.module}")'))
+        lines.append(f"    for name in {tuple(u.module for u in units)!r}:")
+        lines.append(_fully_shard(units[0], "model.get_submodule(name)", indent="        "))
     root = next(u for u in recipe.units if not u.module)
     lines.append(_fully_shard(root, "model"))
     return lines
@@ -278,14 +270,21 @@ def _policy(recipe: TorchRecipe) -> str:
     return f"MixedPrecisionPolicy({', '.join(dtypes)})"
 
 
-def _fully_shard(unit: ShardedUnit, module: str) -> str:
-    keep = "" if unit.reshard_after_forward else ", reshard_after_forward=False"
-    if not unit.shard_dims:
-        return f"    fully_shard({module}, mesh=dp, mp_policy=policy{keep})"
+def _relative_dims(unit: ShardedUnit) -> dict[str, int]:
+    """The unit's parameters sharded on a dim other than 0, named within the unit."""
     prefix = f"{unit.module}." if unit.module else ""
-    dims = {name.removeprefix(prefix): dim for name, dim in unit.shard_dims.items()}
+    return {name.removeprefix(prefix): dim for name, dim in unit.shard_dims.items()}
+
+
+def _fully_shard(unit: ShardedUnit, module: str, indent: str = "    ") -> str:
+    """One ``fully_shard`` call of ``module`` (source text) as ``unit`` says."""
+    keep = "" if unit.reshard_after_forward else ", reshard_after_forward=False"
+    dims = _relative_dims(unit)
+    if not dims:
+        return f"{indent}fully_shard({module}, mesh=dp, mp_policy=policy{keep})"
     return (
-        f"    # sharded on another dim than 0: {', '.join(f'{n} on {d}' for n, d in dims.items())}\n"
-        f"    fully_shard({module}, mesh=dp, mp_policy=policy{keep}, "
+        f"{indent}# sharded on another dim than 0: "
+        f"{', '.join(f'{n} on {d}' for n, d in dims.items())}\n"
+        f"{indent}fully_shard({module}, mesh=dp, mp_policy=policy{keep}, "
         f"shard_placement_fn=_shard_dims({module}, {dims!r}))"
     )
