@@ -58,7 +58,7 @@ def parameter_uses(joint: JointGraph, nodes: dict[str, NodePlan]) -> dict[str, P
         uses[name] = ParameterUse(
             op=kind,
             node=use.name,
-            activation=_argument(use, via, nodes, "dst"),
+            activation=_required(use, via, nodes),
             feeds_output=_reaches(use, outputs, joint.forward_nodes),
             arrives=_arrival(use, via, nodes),
             at_use=read_as(placeholder, joint.forward_nodes, nodes),
@@ -118,10 +118,10 @@ def _activation_argument(use: fx.Node, via: fx.Node, nodes: dict[str, NodePlan])
     return None
 
 
-def _argument(use: fx.Node, via: fx.Node, nodes: dict[str, NodePlan], end: str):
-    """The placement the activation operand of ``use`` requires (``end="dst"``)."""
+def _required(use: fx.Node, via: fx.Node, nodes: dict[str, NodePlan]):
+    """The placement the op requires of its activation operand; None where it has none."""
     argument = _activation_argument(use, via, nodes)
-    return None if argument is None else getattr(argument, end)
+    return None if argument is None else argument.dst
 
 
 def _arrival(use: fx.Node, via: fx.Node, nodes: dict[str, NodePlan]):
