@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test demo lint format venv clean compat docs
+.PHONY: test demo lint format venv clean compat docs gpu-check-cpu
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ venv: $(VENV)/.installed
 # two workers, a test file per worker at a time (three measured no faster on a fresh clone)
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=10 tests
+
+# benchmarks/gpu_check.py's whole path on the CPU with small models (CI runs it so that the GPU
+# check is ready whenever a GPU is at hand); writes $(TMPDIR)/gpu_check-cpu.{json,md}, records nothing
+gpu-check-cpu: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.gpu_check --device cpu --steps 3 --rounds 2 --no-record \
+		--out $(or $(TMPDIR),/tmp)/gpu_check
 
 # ruff, configured in pyproject.toml: lint rules and the formatter's check (`make format` fixes)
 lint: $(VENV)/.installed

@@ -17,6 +17,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as _funcol
 from torch.distributed.tensor._collective_utils import shard_dim_alltoall as _shard_dim_alltoall
 
+# torch 2.13 renamed the gather and the scatter along a dim ``all_gather_single`` and
+# ``reduce_scatter_single`` and deprecated the old names, the only ones torch 2.11 and 2.12
+# have; same arguments and results.
+_all_gather_along = getattr(_funcol, "all_gather_single", None) or _funcol.all_gather_tensor
+_reduce_scatter_along = (
+    getattr(_funcol, "reduce_scatter_single", None) or _funcol.reduce_scatter_tensor
+)
+
 
 def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     """Start torch's fake process group of ``world_size`` ranks in this process (replacing
@@ -84,13 +92,13 @@ def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def all_gather_rows(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """Every rank's ``tensor`` of ``mesh_dim`` stacked along dim 0 in rank order, waited on."""
-    return _funcol.wait_tensor(_funcol.all_gather_single(tensor, 0, (mesh, mesh_dim)))
+    return _funcol.wait_tensor(_all_gather_along(tensor, 0, (mesh, mesh_dim)))
 
 
 def reduce_scatter_sum(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """This rank's block of the sum of ``tensor`` over the ranks of ``mesh_dim``, where
     rank r (its coordinate along ``mesh_dim``) gets the r-th of equal blocks along dim 0."""
-    return _funcol.wait_tensor(_funcol.reduce_scatter_single(tensor, "sum", 0, (mesh, mesh_dim)))
+    return _funcol.wait_tensor(_reduce_scatter_along(tensor, "sum", 0, (mesh, mesh_dim)))
 
 
 def shard_to_shard(tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
@@ -116,9 +124,7 @@ def collective_all_to_all(
 
 def collective_all_gather(tensor: torch.Tensor, dim: int, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """Every rank's ``tensor`` of ``mesh_dim`` concatenated along ``dim``, waited on."""
-    return _funcol.wait_tensor(
-        _funcol.all_gather_single(tensor.contiguous(), dim, (mesh, mesh_dim))
-    )
+    return _funcol.wait_tensor(_all_gather_along(tensor.contiguous(), dim, (mesh, mesh_dim)))
 
 
 def collective_reduce_scatter(
@@ -126,7 +132,7 @@ def collective_reduce_scatter(
 ) -> torch.Tensor:
     """This rank's block along ``dim`` of the sum over the ranks of ``mesh_dim``, waited on."""
     return _funcol.wait_tensor(
-        _funcol.reduce_scatter_single(tensor.contiguous(), "sum", dim, (mesh, mesh_dim))
+        _reduce_scatter_along(tensor.contiguous(), "sum", dim, (mesh, mesh_dim))
     )
 
 

@@ -70,7 +70,7 @@ def calibrate_group(
         raise ValueError(
             f"mesh {mesh_shape} has {math.prod(mesh_shape)} ranks; the group has {world}"
         )
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = settings.device or ("cuda" if dist.get_backend() == "nccl" else "cpu")
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     device = (

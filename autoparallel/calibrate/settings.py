@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -34,6 +35,9 @@ class CalibrationSettings:
             (``run_device.CPU_MATMUL_GRID``, ``GPU_MATMUL_GRID``); () measures no table.
         matmul_grid_calls: timed calls per shape of that grid (the median counts).
         name: the profile's hardware name (default: ``<device>-<backend>-<host>``).
+        device: where the device figures are measured; None: CUDA under NCCL, else the CPU
+            ("cuda" under gloo measures a GPU whose ranks cannot use NCCL, e.g. two ranks
+            sharing one GPU, or a group of one).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -51,6 +55,7 @@ class CalibrationSettings:
     matmul_grid: tuple[int, ...] | None = None
     matmul_grid_calls: int = 7
     name: str | None = None
+    device: Literal["cpu", "cuda"] | None = None
 
     def sizes(self) -> list[int]:
         sizes, size = [], self.min_bytes

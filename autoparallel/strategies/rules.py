@@ -277,3 +277,42 @@ def grouped_mm_backward_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] 
         # row parallel: input and weight split by K, grad_output whole
         [Shard(1), Shard(1), Shard(1), Shard(1), Replicate(), Replicate()],
     ], 2
+
+
+# ---------------------------------------------------------------------------- layer norm
+
+
+def _normalized_from(node: fx.Node, input_index: int, shape_index: int) -> int:
+    """The first dim ``native_layer_norm`` normalizes over: the dims before it are rows."""
+    ndim = node.args[input_index].meta["val"].ndim
+    return ndim - len(tuple(node.args[shape_index]))
+
+
+@rule_for(_aten_default("native_layer_norm"))
+def layer_norm_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """``native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out, mean,
+    rstd)``: rows are independent, so every tensor splits along any dim before the
+    normalized ones; the scale and shift stay whole. Ours, not DTensor's: its strategy
+    differs across torch releases (2.11 pairs the weight's options with the input's by
+    index and fails when their counts differ)."""
+    affine = [a for a in node.args[2:4] if isinstance(a, fx.Node)]
+    rows = _normalized_from(node, 0, 1)
+    return [[Shard(d)] * 4 + [Replicate()] * len(affine) for d in range(rows)], 3
+
+
+@rule_for(_aten_default("native_layer_norm_backward"))
+def layer_norm_backward_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """``native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight?,
+    bias?, output_mask) -> (grad_input, grad_weight, grad_bias)``, split as its forward:
+    the weight's and bias's gradients are partial sums over the rows each rank holds (None
+    where the op does not compute them)."""
+    outputs = node.meta["val"]
+    affine = [a for a in node.args[5:7] if isinstance(a, fx.Node)]
+    rows = _normalized_from(node, 1, 2)
+    return [
+        [Shard(d)]
+        + [None if grad is None else Partial() for grad in outputs[1:]]
+        + [Shard(d)] * 4
+        + [Replicate()] * len(affine)
+        for d in range(rows)
+    ], 3
