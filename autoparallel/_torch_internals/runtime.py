@@ -43,8 +43,13 @@ def lookup_compile_backend(name: str) -> Callable:
 
 def is_inplace_random(func: torch._ops.OpOverload) -> bool:
     """True for aten ops that fill their first argument with random values (``normal_``)."""
-    tags = getattr(func, "tags", ())
-    return torch.Tag.inplace in tags and torch.Tag.nondeterministic_seeded in tags
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    # in place: the first argument is written (``Tensor(a!) self``); read off the schema, as
+    # torch 2.11 and 2.12 have no ``Tag.inplace``
+    arguments = func._schema.arguments
+    alias = arguments[0].alias_info if arguments else None
+    return alias is not None and alias.is_write
 
 
 def has_wrapper_storage(tensor: DTensor) -> bool:

@@ -147,6 +147,7 @@ class TracedPhase:
     def _trace(self, *tensors: torch.Tensor) -> None:
         with torch.no_grad():
             graph_module = internals.trace_on_fake(self.function, *tensors)
+        drop_dead_ops(graph_module)
         drop_identity_views(graph_module)
         issue_collectives_early(graph_module, self.parameter_positions())
         self.graph_module = graph_module
@@ -167,6 +168,33 @@ def _all_plain(tensors: tuple) -> bool:
 def _copy(graph_module: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``graph_module`` whose graph a pass may change (nodes' meta shared)."""
     return fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph))
+
+
+def drop_dead_ops(graph_module: fx.GraphModule) -> int:
+    """Remove the ops whose results nothing reads and that change nothing; returns how many.
+
+    Under torch 2.11 and 2.12, DTensor works out each op's output shape by running it on
+    empty tensors of the global shapes, and the trace records those runs beside the local
+    ones: dead, and unsafe to run (an embedding looked up with uninitialized ids reads out
+    of range). Kept: ops that write an argument, collectives and their waits, and random
+    ops (dropping one would shift the random stream of every later draw)."""
+    dropped = 0
+    for node in reversed(list(graph_module.graph.nodes)):
+        if node.op != "call_function" or node.users or not _is_pure(node.target):
+            continue
+        graph_module.graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        graph_module.recompile()
+    return dropped
+
+
+def _is_pure(target: object) -> bool:
+    if not isinstance(target, internals.OpOverload):
+        return False
+    if target.namespace != "aten" or target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
 
 
 _ALIAS_OPS = (torch.ops.aten.view.default, torch.ops.aten.alias.default)
