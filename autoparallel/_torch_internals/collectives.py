@@ -18,8 +18,8 @@ import torch.distributed._functional_collectives as _funcol
 from torch.distributed.tensor._collective_utils import shard_dim_alltoall as _shard_dim_alltoall
 
 # torch 2.13 renamed the gather and the scatter along a dim ``all_gather_single`` and
-# ``reduce_scatter_single`` and deprecated the old names, the only ones torch 2.11 and 2.12
-# have; same arguments and results.
+# ``reduce_scatter_single`` and deprecated the old names, the only ones torch 2.11 has;
+# same arguments and results.
 _all_gather_along = getattr(_funcol, "all_gather_single", None) or _funcol.all_gather_tensor
 _reduce_scatter_along = (
     getattr(_funcol, "reduce_scatter_single", None) or _funcol.reduce_scatter_tensor

@@ -46,7 +46,7 @@ def is_inplace_random(func: torch._ops.OpOverload) -> bool:
     if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
         return False
     # in place: the first argument is written (``Tensor(a!) self``); read off the schema, as
-    # torch 2.11 and 2.12 have no ``Tag.inplace``
+    # torch 2.11 has no ``Tag.inplace``
     arguments = func._schema.arguments
     alias = arguments[0].alias_info if arguments else None
     return alias is not None and alias.is_write

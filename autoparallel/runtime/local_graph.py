@@ -173,7 +173,7 @@ def _copy(graph_module: fx.GraphModule) -> fx.GraphModule:
 def drop_dead_ops(graph_module: fx.GraphModule) -> int:
     """Remove the ops whose results nothing reads and that change nothing; returns how many.
 
-    Under torch 2.11 and 2.12, DTensor works out each op's output shape by running it on
+    Under torch 2.11, DTensor works out each op's output shape by running it on
     empty tensors of the global shapes, and the trace records those runs beside the local
     ones: dead, and unsafe to run (an embedding looked up with uninitialized ids reads out
     of range). Kept: ops that write an argument, collectives and their waits, and random
