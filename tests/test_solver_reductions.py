@@ -229,7 +229,9 @@ def test_a_polishing_branch_and_bound_stops_at_its_limit_with_the_plan_in_hand(f
 
 def test_a_solve_from_an_earlier_basis_reaches_the_same_optimum(fake_mesh):
     """ShardingOptimizer.resolve's refits start from the last relaxation's basis: at other
-    prices the optimum is the cold solve's, and at the same prices it is the same plan."""
+    prices the relaxation's optimum is the cold solve's, and at the same prices it is the same
+    plan. (Where that relaxation is fractional, as on torch 2.11's strategies, the warm solve
+    may keep the last plan within ``fix_gap`` of the bound instead of fixing afresh.)"""
     problem = _autop(fake_mesh((2, 2))).sharding_optimizer.problem
     options = SolverOptions(lp_first_min_variables=0)
     first = solve(problem, options)
@@ -240,7 +242,10 @@ def test_a_solve_from_an_earlier_basis_reaches_the_same_optimum(fake_mesh):
     problem.objective = problem.objective * 1.5 + 0.25  # other prices, same rows and columns
     cold = solve(problem, options)
     warm = solve(problem, options, warm_start=first)
-    assert warm.stats.objective == pytest.approx(cold.stats.objective, rel=1e-9)
+    assert warm.stats.bound == pytest.approx(cold.stats.bound, rel=1e-9)
+    assert cold.stats.bound <= warm.stats.objective <= cold.stats.bound * (1 + options.fix_gap)
+    if cold.stats.method == "lp":  # an integral relaxation: its optimum is the plan
+        assert warm.stats.objective == pytest.approx(cold.stats.objective, rel=1e-9)
     assert first.warm_start.cold_s > 0  # what the first relaxation took from no basis
 
 
@@ -281,7 +286,10 @@ def test_a_warm_start_that_does_not_pay_starts_again_cold(fake_mesh, monkeypatch
     with caplog.at_level(logging.INFO, logger="autoparallel.solver.highs"):
         warm = solve(problem, options, warm_start=first)
     assert "starting it again cold" in caplog.text
-    assert warm.stats.objective == pytest.approx(cold.stats.objective, rel=1e-9)
+    assert warm.stats.bound == pytest.approx(cold.stats.bound, rel=1e-9)
+    assert cold.stats.bound <= warm.stats.objective <= cold.stats.bound * (1 + options.fix_gap)
+    if cold.stats.method == "lp":  # an integral relaxation: its optimum is the plan
+        assert warm.stats.objective == pytest.approx(cold.stats.objective, rel=1e-9)
 
 
 def test_cost_tables_hold_the_reference_prices(fake_mesh):
@@ -382,8 +390,12 @@ def test_single_dim_ops_expand_as_dtensor_does(fake_mesh, monkeypatch, shape):
     monkeypatch.setattr(dtensor_adapter, "_call", spy)
     ours = build_strategy_space(joint, mesh)
     monkeypatch.setattr(dtensor_adapter, "_call", real_call)
-    # no single-dim op of this model needed DTensor's expander (the fallback)
-    assert not [n.name for n in asked_dtensor if internals.has_single_dim_strategy(n.target)]
+    # no single-dim op of this model needed DTensor's expander (the fallback), where this
+    # torch lets us read its rules (2.13 on; on 2.11 DTensor expands them itself)
+    expanded_by_dtensor = [
+        n.name for n in asked_dtensor if internals.has_single_dim_strategy(n.target)
+    ]
+    assert not expanded_by_dtensor or not internals.single_dim_rules_readable()
     monkeypatch.setattr(dtensor_adapter, "_USE_DTENSOR_EXPANDER", True)
     theirs = build_strategy_space(joint, mesh)
     assert list(ours.nodes) == list(theirs.nodes)

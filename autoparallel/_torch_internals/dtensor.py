@@ -14,7 +14,11 @@ import torch
 from torch.distributed.tensor._api import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _expand_single_dim_strategy_to_mesh,
+    _ShardingPlaceholder,
+)
+from torch.distributed.tensor.placement_types import Partial, Shard
 
 try:  # shard-like but not a Shard subclass: what DTensor's view rules make of a split of a
     # sharded dim, and FSDP + TP's parameters
@@ -28,9 +32,21 @@ try:  # mirrored without their pricing by strategies/view_rules.py (see view_rul
     from torch.distributed.tensor._ops import _view_ops as _dtensor_view_ops
     from torch.distributed.tensor._ops.utils import is_tensor_dim_sharded as _is_tensor_dim_sharded
     from torch.distributed.tensor._ops.utils import normalize_dim as _normalize_dim
-    from torch.distributed.tensor.placement_types import _is_shard_like
 except ImportError:  # torch moved them: every op keeps DTensor's own (priced) strategy
     _dtensor_math_ops = _dtensor_tensor_ops = _dtensor_view_ops = None
+
+try:
+    from torch.distributed.tensor.placement_types import _is_shard_like
+except ImportError:  # torch 2.11: its slice_backward and cat rules test for a plain Shard
+
+    def _is_shard_like(placement: Any) -> bool:
+        return isinstance(placement, Shard)
+
+
+try:  # torch 2.11 describes pointwise ops by whole-mesh strategies (see pointwise_single_dim_rules)
+    from torch.distributed.tensor._ops import _pointwise_ops as _dtensor_pointwise_ops
+except ImportError:
+    _dtensor_pointwise_ops = None
 
 try:  # DTensor's rowwise embedding marks ids and result with it (runtime/vocab_lookup.py)
     from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
@@ -89,6 +105,57 @@ def has_single_dim_strategy(op: torch._ops.OpOverload) -> bool:
     exactly one candidate per input; callers pass a single representative placement.
     """
     return op in DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
+
+
+def single_dim_rules_readable() -> bool:
+    """Whether :func:`single_dim_rules` can read DTensor's single-mesh-dim rules on this torch
+    (2.13 on); where it cannot (2.11), DTensor's own expander answers, with its pricing."""
+    try:
+        from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: F401
+            _PreparedSingleDimStrategy,
+        )
+    except ImportError:
+        return False
+    return True
+
+
+def pointwise_single_dim_rules(
+    strategy_fn: Any, op: torch._ops.OpOverload, args_schema: tuple
+) -> list[list[Any]] | None:
+    """DTensor's single-mesh-dim rules for a pointwise op that this torch registers by its
+    whole-mesh ``pointwise_strategy`` (torch 2.11), as ``[output, *tensor inputs]`` lists; None
+    where ``strategy_fn`` is not that (2.13 on: pointwise ops are single-dim strategies).
+
+    Why private: 2.11's whole-mesh pointwise strategy makes every input follow the most
+    sharded input option, so it never offers a layout no producer already has (e.g. a
+    broadcast operand split along the other's dim), and plans on 2.11 lose those; its own
+    single-dim form, ``single_mesh_dim_common_pointwise_strategy``, is written but not
+    registered, and is what later releases register. ``args_schema`` holds TensorMeta for
+    tensor arguments. Placeholders become plain Shards, as for inputs with no _StridedShard.
+    """
+    module = _dtensor_pointwise_ops
+    single_dim = getattr(module, "single_mesh_dim_common_pointwise_strategy", None)
+    whole_mesh = (
+        getattr(module, "pointwise_strategy", None),
+        getattr(module, "linear_pointwise_strategy", None),
+    )
+    if single_dim is None or strategy_fn not in whole_mesh:
+        return None
+    tensors = sum(isinstance(arg, TensorMeta) for arg in args_schema)
+    linearity = module.linear_pointwise_ops.get(op, -1)
+    # its linearity kinds assume a tensor count: mul/div by a scalar are unary linear (0),
+    # a sum with a scalar is not linear in the partial sense (-1)
+    if linearity == 2 and tensors == 1:
+        linearity = 0
+    elif (linearity == 0 and tensors != 1) or (linearity == 1 and tensors != 2):
+        linearity = -1
+    rules = [
+        [Shard(p.dim) if isinstance(p, _ShardingPlaceholder) else p for p in rule]
+        for rule in single_dim(args_schema, linearity)
+    ]
+    if op.name().startswith("aten::div"):  # a / (b1 + b2) is no sum of a / b_i: numerator only
+        rules = [rule for rule in rules if not (len(rule) > 2 and isinstance(rule[2], Partial))]
+    return rules
 
 
 def dtensor_strategy_function(

@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from autoparallel import _torch_internals as internals
 from autoparallel._torch_internals import OpOverload, tree_map
 from autoparallel.graph.fx_args import tensor_input_nodes
+from autoparallel.strategies import rules as own_rules
 from autoparallel.strategies import view_rules
 from autoparallel.types.placements import OutputPlacements, Placements
 from autoparallel.types.strategies import Strategy
@@ -60,6 +61,10 @@ def dtensor_strategies(
         raise NoDTensorStrategy(f"DTensor has no sharding strategy registered for {op}")
 
     num_inputs = len(tensor_input_nodes(node))
+    pointwise = _pointwise_single_dim(strategy_fn, node)
+    if pointwise is not None:
+        expanded = own_rules.expand_single_dim_rules(pointwise, 1, False, mesh.ndim)
+        return [s for s in expanded if _only_sum_partials(s)]
     single_dim = internals.has_single_dim_strategy(op)
     if single_dim:
         candidates = {n: [_representative(n, mesh.ndim)] for n in tensor_input_nodes(node)}
@@ -75,6 +80,26 @@ def dtensor_strategies(
         op_strategy = _call_per_option(strategy_fn, node, mesh, producer_options)
     converted = (_convert(spec, num_inputs) for spec in op_strategy)
     return [s for s in converted if s is not None and _only_sum_partials(s)]
+
+
+def _pointwise_single_dim(strategy_fn: Any, node: fx.Node) -> list | None:
+    """torch 2.11's single-mesh-dim rules for a pointwise ``node`` (see
+    internals.pointwise_single_dim_rules), or None: a later torch, another op, or arguments
+    those rules were not written for (tensor keyword arguments, several outputs)."""
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    if any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+        return None
+    if any(isinstance(a, (list, tuple)) for a in node.args):
+        return None
+    args = tuple(
+        tensor_meta_of(a.meta.get("val")) if isinstance(a, fx.Node) else a for a in node.args
+    )
+    try:
+        return internals.pointwise_single_dim_rules(strategy_fn, node.target, args)
+    except Exception as error:  # its asserts: DTensor's whole-mesh strategy answers instead
+        logger.debug("no single-dim pointwise rules for %s (%s)", node.target, error)
+        return None
 
 
 # Internal switch (tests): expand single-mesh-dim rules with DTensor's own expander, which

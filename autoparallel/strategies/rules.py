@@ -36,9 +36,22 @@ OWN_RULES: dict[object, RuleFunction] = {}
 OWN_RULES_BY_NAME: dict[str, RuleFunction] = {}
 
 
+# op -> rule asked only where DTensor's registry cannot split the op: it has no strategy
+# (older torch releases that still describe the op by a propagation rule: torch 2.11's
+# ``index.Tensor``, ``convolution``, ``constant_pad_nd``) or only the replicated one (2.11's
+# ``scatter``). Where DTensor splits the op, the plans stay DTensor's. Filled by
+# @where_dtensor_cannot_split, read-only afterwards.
+RULES_WHERE_DTENSOR_CANNOT_SPLIT: dict[object, RuleFunction] = {}
+
+
 def rule_of(target: object) -> RuleFunction | None:
     """Our rule for ``target`` (an op), or None."""
     return OWN_RULES.get(target) or OWN_RULES_BY_NAME.get(str(target))
+
+
+def rule_where_dtensor_cannot_split(target: object) -> RuleFunction | None:
+    """Our rule for ``target`` to use where DTensor cannot split it, or None."""
+    return RULES_WHERE_DTENSOR_CANNOT_SPLIT.get(target)
 
 
 def rule_for_name(*names: str) -> Callable[[RuleFunction], RuleFunction]:
@@ -60,6 +73,18 @@ def rule_for(*ops: object) -> Callable[[RuleFunction], RuleFunction]:
         for op in ops:
             if op is not None:
                 OWN_RULES[op] = rule
+        return rule
+
+    return register
+
+
+def where_dtensor_cannot_split(*ops: object) -> Callable[[RuleFunction], RuleFunction]:
+    """Register the decorated rule for ``ops``, asked only where DTensor cannot split them."""
+
+    def register(rule: RuleFunction) -> RuleFunction:
+        for op in ops:
+            if op is not None:
+                RULES_WHERE_DTENSOR_CANNOT_SPLIT[op] = rule
         return rule
 
     return register
@@ -316,3 +341,123 @@ def layer_norm_backward_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] 
         + [Replicate()] * len(affine)
         for d in range(rows)
     ], 3
+
+
+# ---------------------------------------------------------------------------- indexing
+
+
+@where_dtensor_cannot_split(getattr(aten.index, "Tensor", None))
+def index_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """``index.Tensor(values, indices)``, ``values[i0, :, i2]`` with a list of index tensors
+    and Nones: the result has the indices' broadcast dims where the indexed dims were (at the
+    front when the indexed dims are not adjacent) and the other dims of ``values`` around
+    them. Three ways to split it: ``values`` along a dim that is not indexed (indices whole);
+    the indices along one of their broadcast dims (``values`` whole; an index of size 1 there
+    broadcasts and stays whole); or ``values`` a partial sum, and so the result."""
+    values = node.args[0]
+    indices = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices")
+    if not isinstance(values, fx.Node) or not isinstance(indices, (list, tuple)):
+        return None
+    indexed = [d for d, index in enumerate(indices) if index is not None]
+    index_nodes = [index for index in indices if index is not None]
+    if not indexed or not all(isinstance(index, fx.Node) for index in index_nodes):
+        return None
+    index_shapes = [tuple(index.meta["val"].shape) for index in index_nodes]
+    broadcast_ndim = max(len(shape) for shape in index_shapes)
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
+    first = indexed[0] if adjacent else 0  # where the broadcast dims land in the result
+
+    def result_dim(values_dim: int) -> int:
+        if values_dim < first:
+            return values_dim
+        return values_dim + broadcast_ndim - sum(values_dim > d for d in indexed)
+
+    whole = [Replicate()] * len(index_nodes)
+    rules: list[SingleDimRule] = [
+        [Shard(result_dim(d)), Shard(d)] + whole
+        for d in range(values.meta["val"].ndim)
+        if d not in indexed
+    ]
+    for dim in range(broadcast_ndim):
+        per_index: list[Placement | None] = []
+        for shape in index_shapes:
+            own = dim - (broadcast_ndim - len(shape))  # indices align on their last dims
+            per_index.append(Shard(own) if own >= 0 and shape[own] > 1 else Replicate())
+        if all(isinstance(p, Replicate) for p in per_index):
+            continue
+        rules.append([Shard(first + dim), Replicate()] + per_index)
+    rules.append([Partial(), Partial()] + whole)
+    return rules, 1
+
+
+# ---------------------------------------------------------------------------- convolution
+
+
+def _splits_output_channels(node: fx.Node, transposed_index: int, groups_index: int) -> bool:
+    """Output channels split as a column-parallel linear's features: a plain convolution
+    only (a grouped one reads a block of input channels per output block; a transposed one
+    keeps its output channels on the weight's dim 1)."""
+    return not node.args[transposed_index] and node.args[groups_index] == 1
+
+
+@where_dtensor_cannot_split(_aten_default("convolution"))
+def convolution_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """``convolution(input, weight, bias?, stride, padding, dilation, transposed,
+    output_padding, groups)``: the batch splits (weight and bias whole) and, for a plain
+    convolution, the output channels (weight and bias split along theirs, input whole)."""
+    has_bias = isinstance(node.args[2], fx.Node)
+    bias: SingleDimRule = [Replicate()] if has_bias else []
+    rules: list[SingleDimRule] = [[Shard(0), Shard(0), Replicate()] + bias]
+    if _splits_output_channels(node, 6, 8):
+        rules.append([Shard(1), Replicate(), Shard(0)] + ([Shard(0)] if has_bias else []))
+    return rules, 1
+
+
+@where_dtensor_cannot_split(_aten_default("convolution_backward"))
+def convolution_backward_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """``convolution_backward(grad_output, input, weight, bias_sizes, stride, padding,
+    dilation, transposed, output_padding, groups, output_mask) -> (grad_input,
+    grad_weight, grad_bias)``, split as its forward: by batch (the weight's and bias's
+    gradients partial sums) or by output channel (the input's gradient a partial sum)."""
+    outputs = node.meta["val"]
+
+    def computed(placement: Placement, index: int) -> Placement | None:
+        return placement if outputs[index] is not None else None
+
+    rules: list[SingleDimRule] = [
+        [computed(Shard(0), 0), computed(Partial(), 1), computed(Partial(), 2)]
+        + [Shard(0), Shard(0), Replicate()]
+    ]
+    if _splits_output_channels(node, 7, 9):
+        rules.append(
+            [computed(Partial(), 0), computed(Shard(0), 1), computed(Shard(0), 2)]
+            + [Shard(1), Replicate(), Shard(0)]
+        )
+    return rules, 3
+
+
+# ---------------------------------------------------------------------------- scatter and pad
+
+
+@where_dtensor_cannot_split(_aten_default("constant_pad_nd"))
+def constant_pad_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """``constant_pad_nd(input, pad, value)``: ``pad`` holds (before, after) pairs from the
+    last dim backwards; every dim it leaves alone splits, input and output alike."""
+    ndim = node.meta["val"].ndim
+    pad = list(node.args[1])
+    padded = {ndim - 1 - i // 2 for i, amount in enumerate(pad) if amount != 0}
+    return [[Shard(d), Shard(d)] for d in range(ndim) if d not in padded], 1
+
+
+@where_dtensor_cannot_split(
+    getattr(aten.scatter, "src", None), getattr(aten.scatter, "value", None)
+)
+def scatter_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
+    """``scatter(self, dim, index, src | value)`` writes along ``dim`` only: every other dim
+    where ``self``, ``index`` (and ``src``) have the same size splits, all of them alike."""
+    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    shapes = [tuple(t.meta["val"].shape) for t in tensors]
+    ndim = len(shapes[0])
+    dim = node.args[1] % ndim if ndim else 0
+    same = [d for d in range(ndim) if d != dim and len({shape[d] for shape in shapes}) == 1]
+    return [[Shard(d)] * (1 + len(tensors)) for d in same], 1

@@ -9,7 +9,8 @@ For each node, in graph order, the options come from the first source that answe
    graph/fill_ops.py): any Shard/Replicate combination, with no input edge;
 3. a ``local_map`` region's ops: the one strategy its placements state (strategies/regions.py);
    our own rules (e.g. the CPU flash-attention ops that DTensor does not cover);
-4. DTensor's strategy registry;
+4. DTensor's strategy registry; where it has none or only the replicated one, our rules for
+   ops that later torch releases split (``rules.RULES_WHERE_DTENSOR_CANNOT_SPLIT``);
 5. otherwise a replicate-only fallback, logged as a warning and recorded in
    ``StrategySpace.fallbacks`` so the user can see which ops limited the plan.
 
@@ -30,7 +31,11 @@ from torch.distributed.tensor.placement_types import Replicate
 from autoparallel.graph.fill_ops import is_fill
 from autoparallel.graph.fx_args import map_args, tensor_input_nodes
 from autoparallel.strategies import rules
-from autoparallel.strategies.dtensor_adapter import NoDTensorStrategy, dtensor_strategies
+from autoparallel.strategies.dtensor_adapter import (
+    NoDTensorStrategy,
+    dtensor_strategies,
+    strategy_placements,
+)
 from autoparallel.strategies.regions import region_strategies
 from autoparallel.types.graph import JointGraph
 from autoparallel.types.placements import OutputPlacements, is_multi
@@ -185,19 +190,39 @@ def _candidates(
 ) -> tuple[list[Strategy], StrategySource, str]:
     """The node's candidate strategies, where they came from, and why there are none (empty
     when there are some)."""
-    own_rule = rules.rule_of(node.target)
-    if own_rule is not None:
-        found = own_rule(node)
-        if found is not None:
-            single_dim_rules, num_outputs = found
-            expanded = rules.expand_single_dim_rules(
-                single_dim_rules, num_outputs, multi, len(mesh_shape)
-            )
-            return expanded, "rule", ""
+    own = _from_rule(rules.rule_of(node.target), node, multi, mesh_shape)
+    if own is not None:
+        return own, "rule", ""
     try:
-        return dtensor_strategies(node, mesh, options), "dtensor", ""
+        from_dtensor = dtensor_strategies(node, mesh, options)
     except NoDTensorStrategy as error:
-        return [], "fallback", f"no strategy: {error}"
+        from_dtensor, missing = [], f"no strategy: {error}"
+    if from_dtensor and not all(_all_replicated(s) for s in from_dtensor):
+        return from_dtensor, "dtensor", ""
+    behind = _from_rule(rules.rule_where_dtensor_cannot_split(node.target), node, multi, mesh_shape)
+    if behind is not None:
+        return behind, "rule", ""
+    if from_dtensor:
+        return from_dtensor, "dtensor", ""
+    return [], "fallback", missing
+
+
+def _all_replicated(strategy: Strategy) -> bool:
+    """Whether ``strategy`` keeps every tensor whole on every mesh dim."""
+    return all(
+        isinstance(p, Replicate) for placements in strategy_placements(strategy) for p in placements
+    )
+
+
+def _from_rule(
+    rule: rules.RuleFunction | None, node: fx.Node, multi: bool, mesh_shape: tuple[int, ...]
+) -> list[Strategy] | None:
+    """The strategies ``rule`` gives ``node`` on this mesh, or None where it gives none."""
+    found = rule(node) if rule is not None else None
+    if found is None:
+        return None
+    single_dim_rules, num_outputs = found
+    return rules.expand_single_dim_rules(single_dim_rules, num_outputs, multi, len(mesh_shape))
 
 
 def _replicated(
