@@ -362,6 +362,8 @@ def index_rules(node: fx.Node) -> tuple[list[SingleDimRule], int] | None:
     index_nodes = [index for index in indices if index is not None]
     if not indexed or not all(isinstance(index, fx.Node) for index in index_nodes):
         return None
+    if any(index.meta["val"].dtype == torch.bool for index in index_nodes):
+        return None  # a mask consumes as many dims as it has, its result's length is data
     index_shapes = [tuple(index.meta["val"].shape) for index in index_nodes]
     broadcast_ndim = max(len(shape) for shape in index_shapes)
     adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
