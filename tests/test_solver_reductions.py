@@ -390,12 +390,8 @@ def test_single_dim_ops_expand_as_dtensor_does(fake_mesh, monkeypatch, shape):
     monkeypatch.setattr(dtensor_adapter, "_call", spy)
     ours = build_strategy_space(joint, mesh)
     monkeypatch.setattr(dtensor_adapter, "_call", real_call)
-    # no single-dim op of this model needed DTensor's expander (the fallback), where this
-    # torch lets us read its rules (2.13 on; on 2.11 DTensor expands them itself)
-    expanded_by_dtensor = [
-        n.name for n in asked_dtensor if internals.has_single_dim_strategy(n.target)
-    ]
-    assert not expanded_by_dtensor or not internals.single_dim_rules_readable()
+    # no single-dim op of this model needed DTensor's expander (the fallback)
+    assert not [n.name for n in asked_dtensor if internals.has_single_dim_strategy(n.target)]
     monkeypatch.setattr(dtensor_adapter, "_USE_DTENSOR_EXPANDER", True)
     theirs = build_strategy_space(joint, mesh)
     assert list(ours.nodes) == list(theirs.nodes)

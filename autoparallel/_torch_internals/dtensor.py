@@ -107,18 +107,6 @@ def has_single_dim_strategy(op: torch._ops.OpOverload) -> bool:
     return op in DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
 
 
-def single_dim_rules_readable() -> bool:
-    """Whether :func:`single_dim_rules` can read DTensor's single-mesh-dim rules on this torch
-    (2.13 on); where it cannot (2.11), DTensor's own expander answers, with its pricing."""
-    try:
-        from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: F401
-            _PreparedSingleDimStrategy,
-        )
-    except ImportError:
-        return False
-    return True
-
-
 def pointwise_single_dim_rules(
     strategy_fn: Any, op: torch._ops.OpOverload, args_schema: tuple
 ) -> list[list[Any]] | None:
@@ -209,10 +197,13 @@ def single_dim_rules(
     2.14 on) are a plain product over the list's tensors, flattened as DTensor flattens them.
     """
     try:
-        from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
         from torch.distributed.tensor._ops.utils import is_tensor_shardable
     except ImportError:
         return None
+    try:
+        from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
+    except ImportError:  # torch 2.11: the same steps, as its expander takes them
+        _PreparedSingleDimStrategy = _PreparedAsTorch211
     info = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs.get(op)
     if info is None or getattr(info, "different_mesh_args", None) is not None:
         return None
@@ -283,6 +274,36 @@ def single_dim_rules(
         accepts,
         list_output,
     )
+
+
+class _PreparedAsTorch211:
+    """What torch 2.11's ``_expand_single_dim_strategy_to_mesh`` computes before its product:
+    the rules for this schema with the all-Replicate rule first and Shard placeholders filled
+    from the inputs' placements (2.11 has no ``_PreparedSingleDimStrategy`` to ask). 2.11's
+    rules never shard unevenly beyond what ``is_tensor_shardable`` allows, run on one mesh
+    and have no full-mesh filter."""
+
+    element_mesh = None
+    allow_uneven_sharding = False
+
+    def __init__(self, info: Any, schema: OpSchema, output_meta: Any):
+        from torch.distributed.tensor._ops import single_dim_strategy as single_dim
+
+        if output_meta is None:
+            self.num_outputs = 0
+        elif isinstance(output_meta, TensorMeta):
+            self.num_outputs = 1
+        else:
+            self.num_outputs = len(output_meta)
+        self.num_inputs = single_dim._get_num_tensor_inputs(schema)
+        self.allow_unbacked_sharding = info.allow_unbacked_sharding
+        rules = info.func(schema.op, schema.args_meta, schema.kwargs_meta)
+        rules = single_dim._insert_single_dim_replication_strategy(
+            rules, self.num_outputs, self.num_inputs
+        )
+        self.expanded_strategies = single_dim._fill_single_dim_strategy_placeholders(
+            single_dim._get_unique_placements(schema), rules
+        )
 
 
 class ViewRule(NamedTuple):
