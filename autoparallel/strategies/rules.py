@@ -54,40 +54,32 @@ def rule_where_dtensor_cannot_split(target: object) -> RuleFunction | None:
     return RULES_WHERE_DTENSOR_CANNOT_SPLIT.get(target)
 
 
-def rule_for_name(*names: str) -> Callable[[RuleFunction], RuleFunction]:
-    """Register the decorated rule for the ops named ``names`` (``str(op)``)."""
+def _registering(table: dict, keys: Sequence[object]) -> Callable[[RuleFunction], RuleFunction]:
+    """A decorator putting its rule in ``table`` under each key (None keys, ops this torch
+    build lacks, are skipped)."""
 
     def register(rule: RuleFunction) -> RuleFunction:
-        for name in names:
-            OWN_RULES_BY_NAME[name] = rule
+        for key in keys:
+            if key is not None:
+                table[key] = rule
         return rule
 
     return register
+
+
+def rule_for_name(*names: str) -> Callable[[RuleFunction], RuleFunction]:
+    """Register the decorated rule for the ops named ``names`` (``str(op)``)."""
+    return _registering(OWN_RULES_BY_NAME, names)
 
 
 def rule_for(*ops: object) -> Callable[[RuleFunction], RuleFunction]:
-    """Register the decorated rule for ``ops`` (ops this torch build lacks are passed as None
-    and skipped)."""
-
-    def register(rule: RuleFunction) -> RuleFunction:
-        for op in ops:
-            if op is not None:
-                OWN_RULES[op] = rule
-        return rule
-
-    return register
+    """Register the decorated rule for ``ops``."""
+    return _registering(OWN_RULES, ops)
 
 
 def where_dtensor_cannot_split(*ops: object) -> Callable[[RuleFunction], RuleFunction]:
     """Register the decorated rule for ``ops``, asked only where DTensor cannot split them."""
-
-    def register(rule: RuleFunction) -> RuleFunction:
-        for op in ops:
-            if op is not None:
-                RULES_WHERE_DTENSOR_CANNOT_SPLIT[op] = rule
-        return rule
-
-    return register
+    return _registering(RULES_WHERE_DTENSOR_CANNOT_SPLIT, ops)
 
 
 def _aten_default(name: str) -> object | None:
