@@ -197,11 +197,11 @@ def _candidates(
         from_dtensor = dtensor_strategies(node, mesh, options)
     except NoDTensorStrategy as error:
         from_dtensor, missing = [], f"no strategy: {error}"
-    if from_dtensor and not all(_all_replicated(s) for s in from_dtensor):
-        return from_dtensor, "dtensor", ""
-    behind = _from_rule(rules.rule_where_dtensor_cannot_split(node.target), node, multi, mesh_shape)
-    if behind is not None:
-        return behind, "rule", ""
+    behind_rule = rules.rule_where_dtensor_cannot_split(node.target)
+    if behind_rule is not None and all(_all_replicated(s) for s in from_dtensor):
+        behind = _from_rule(behind_rule, node, multi, mesh_shape)
+        if behind is not None:
+            return behind, "rule", ""
     if from_dtensor:
         return from_dtensor, "dtensor", ""
     return [], "fallback", missing
